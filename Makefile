@@ -1,0 +1,26 @@
+# The two set-up commands of the README. Everything lives in .venv.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# Pinned: 2.13.0 is the CPU build available here; an unpinned torch pulls GBs of CUDA wheels.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.bfexp-installed
+
+.PHONY: install run test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/bfexp
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs multirun

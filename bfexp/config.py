@@ -1,0 +1,286 @@
+"""Structured config schema and validation.
+
+Every option YAML under conf/<group>/ starts from one of these dataclasses
+(its ``defaults`` names ``schema_<option>``), so a misspelt key or a value
+of the wrong type fails at compose time. ``validate`` then checks what a
+type cannot say (ranges, allowed words, graph/rank-count fits) and raises
+ConfigError, which the CLI turns into a one-line message and exit code 2
+before any rank starts.
+
+This module imports only the standard library, Hydra and OmegaConf: the CLI
+needs it for ``--help`` and completion, which must stay instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the value and what is allowed."""
+
+
+# ------------------------------------------------------------------ algorithm
+@dataclass
+class AlgorithmConfig:
+    name: str = MISSING
+    # Local SGD: communicate every `communication_period` steps.
+    communication_period: int = 1
+    # Start communication from hooks so it overlaps computation.
+    overlap: bool = True
+
+
+@dataclass
+class DSGDConfig(AlgorithmConfig):
+    name: str = "dsgd"
+    # atc: X+ = W(X - a F(X)); awc: X+ = WX - a F(X); cta: X+ = WX - a F(WX).
+    style: str = "atc"
+
+
+@dataclass
+class AllreduceConfig(AlgorithmConfig):
+    name: str = "allreduce"
+    # Gradients are bucketed into fused messages of at most this size.
+    bucket_mb: float = 25.0
+
+
+# ------------------------------------------------------------------ topology
+@dataclass
+class TopologyConfig:
+    name: str = MISSING
+    # uniform: 1/(in-degree+1); metropolis: Metropolis-Hastings (symmetric,
+    # doubly stochastic on undirected graphs); column: column-stochastic (push-sum).
+    weights: str = "uniform"
+
+
+@dataclass
+class RingConfig(TopologyConfig):
+    name: str = "ring"
+    directed: bool = False
+
+
+@dataclass
+class Exp2Config(TopologyConfig):
+    name: str = "exp2"
+    base: int = 2
+
+
+# ------------------------------------------------------------------ model
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+
+
+@dataclass
+class LogRegConfig(ModelConfig):
+    name: str = "logreg"
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    name: str = "mlp"
+    hidden: List[int] = field(default_factory=lambda: [64])
+    activation: str = "relu"
+
+
+# ------------------------------------------------------------------ dataset
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+    # How the training set is split by rank: iid, dirichlet (label skew with
+    # concentration `alpha`; small alpha = very heterogeneous) or sorted.
+    partition: str = "iid"
+    alpha: float = 0.5
+    # Held-out samples every rank evaluates on (0 = all).
+    eval_samples: int = 2000
+
+
+@dataclass
+class SyntheticConfig(DatasetConfig):
+    """Logistic regression where each rank has its own true model (non-iid)."""
+
+    name: str = "synthetic"
+    samples_per_rank: int = 512
+    features: int = 32
+    classes: int = 2
+    # Spread of the ranks' true models around a shared one: 0 = iid.
+    heterogeneity: float = 1.0
+    label_noise: float = 0.05
+
+
+@dataclass
+class DigitsConfig(DatasetConfig):
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes)."""
+
+    name: str = "digits"
+    partition: str = "dirichlet"
+    test_fraction: float = 0.2
+
+
+# ------------------------------------------------------------------ engine
+@dataclass
+class EngineConfig:
+    name: str = MISSING
+    # Ranks per machine for hierarchical ops and inner-outer graphs; 0 = all ranks on one machine.
+    ranks_per_machine: int = 0
+    # Per-rank Chrome-trace JSON (Perfetto) in <run dir>/timeline/.
+    timeline: bool = False
+
+
+@dataclass
+class MPIEngineConfig(EngineConfig):
+    name: str = "mpi"
+    # Extra arguments for mpiexec, e.g. ["--bind-to", "none"].
+    mpiexec_args: List[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ scaling
+@dataclass
+class ScalingConfig:
+    name: str = MISSING
+
+
+@dataclass
+class LocalScalingConfig(ScalingConfig):
+    """This machine, measured."""
+
+    name: str = "local"
+
+
+# ------------------------------------------------------------------ logger
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+
+
+@dataclass
+class ConsoleLoggerConfig(LoggerConfig):
+    name: str = "console"
+    # Rich progress bar when the terminal is interactive, plain lines otherwise.
+    progress: bool = True
+
+
+# ------------------------------------------------------------------ top level
+@dataclass
+class OptimizerConfig:
+    # The local optimizer each rank runs before (or after) communication.
+    name: str = "sgd"
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class Config:
+    """Top level. conf/config.yaml picks one option per group on top of this."""
+
+    algorithm: Any = MISSING
+    topology: Any = MISSING
+    model: Any = MISSING
+    dataset: Any = MISSING
+    engine: Any = MISSING
+    scaling: Any = MISSING
+    logger: Any = MISSING
+
+    ranks: int = 4
+    seed: int = 0
+    # Training length: `epochs` (over each rank's shard) wins over `steps` when set.
+    steps: int = 200
+    epochs: Optional[int] = None
+    batch_size: int = 32
+    lr: float = 0.1
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    dtype: str = "float32"
+    log_every: int = 10
+    # A run is stopped as diverged when the loss is not finite or exceeds this.
+    divergence_loss: float = 1e6
+    # Seconds a job may run before the driver stops it (0 = no limit).
+    timeout_s: float = 0.0
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "algorithm": {"dsgd": DSGDConfig, "allreduce": AllreduceConfig},
+    "topology": {"ring": RingConfig, "exp2": Exp2Config},
+    "model": {"logreg": LogRegConfig, "mlp": MLPConfig},
+    "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig},
+    "engine": {"mpi": MPIEngineConfig},
+    "scaling": {"local": LocalScalingConfig},
+    "logger": {"console": ConsoleLoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore (idempotent).
+
+    Option schemas live in groups ``schema/<group>`` so they never show up
+    as selectable options; each conf/<group>/<option>.yaml pulls its own in
+    with ``- /schema/<group>/<option>@_here_``.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="bfexp_schema", node=Config)
+    for group, options in SCHEMAS.items():
+        for option, node in options.items():
+            cs.store(group=f"schema/{group}", name=option, node=node)
+
+
+# ------------------------------------------------------------------ validation
+ALLOWED = {
+    "dtype": ("float32", "float64", "float16", "bfloat16"),
+    "optimizer.name": ("sgd", "adam", "adamw"),
+    "topology.weights": ("uniform", "metropolis", "column"),
+    "dataset.partition": ("iid", "dirichlet", "sorted"),
+    "model.activation": ("relu", "tanh", "gelu"),
+    "algorithm.style": ("atc", "awc", "cta"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Any) -> None:
+    """Reject what cannot run, with a message that names the value and what is allowed."""
+    for key, allowed in ALLOWED.items():
+        value = _get(cfg, key)
+        if value is not None:
+            _require(value in allowed, f"{key}={value!r}; allowed: {', '.join(allowed)}")
+    _require(cfg.ranks >= 1, f"ranks={cfg.ranks}; allowed: an integer >= 1")
+    _require(cfg.steps >= 1, f"steps={cfg.steps}; allowed: an integer >= 1")
+    if cfg.epochs is not None:
+        _require(cfg.epochs >= 1, f"epochs={cfg.epochs}; allowed: an integer >= 1 or null")
+    _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}; allowed: an integer >= 1")
+    _require(cfg.lr > 0, f"lr={cfg.lr}; allowed: a number > 0")
+    _require(cfg.log_every >= 1, f"log_every={cfg.log_every}; allowed: an integer >= 1")
+    _require(
+        cfg.algorithm.communication_period >= 1,
+        f"algorithm.communication_period={cfg.algorithm.communication_period}; allowed: an integer >= 1",
+    )
+    rpm = cfg.engine.ranks_per_machine
+    _require(rpm >= 0, f"engine.ranks_per_machine={rpm}; allowed: 0 (one machine) or >= 1")
+    if rpm:
+        _require(
+            cfg.ranks % rpm == 0,
+            f"engine.ranks_per_machine={rpm} does not divide ranks={cfg.ranks}; allowed: a divisor of ranks",
+        )
+    ds = cfg.dataset
+    if ds.name == "synthetic":
+        _require(ds.classes >= 2, f"dataset.classes={ds.classes}; allowed: an integer >= 2")
+        _require(ds.features >= 1, f"dataset.features={ds.features}; allowed: an integer >= 1")
+        _require(ds.samples_per_rank >= 1, f"dataset.samples_per_rank={ds.samples_per_rank}; allowed: >= 1")
+    if ds.partition == "dirichlet":
+        _require(ds.alpha > 0, f"dataset.alpha={ds.alpha}; allowed: a number > 0")
