@@ -69,6 +69,64 @@ class Exp2Config(TopologyConfig):
     base: int = 2
 
 
+@dataclass
+class SymmetricExp2Config(TopologyConfig):
+    name: str = "symmetric_exp2"
+    base: int = 2
+
+
+@dataclass
+class MeshConfig(TopologyConfig):
+    name: str = "mesh"
+    # Grids are not regular, so uniform weights would not be doubly stochastic.
+    weights: str = "metropolis"
+    torus: bool = True
+    # 0 = the two closest factors of the rank count.
+    rows: int = 0
+
+
+@dataclass
+class StarConfig(TopologyConfig):
+    name: str = "star"
+    weights: str = "metropolis"
+    center: int = 0
+
+
+@dataclass
+class FullyConnectedConfig(TopologyConfig):
+    name: str = "fully_connected"
+
+
+@dataclass
+class HypercubeConfig(TopologyConfig):
+    name: str = "hypercube"
+
+
+@dataclass
+class RandomRegularConfig(TopologyConfig):
+    name: str = "random_regular"
+    degree: int = 3
+    # The graph's own seed: the same graph across training seeds.
+    seed: int = 0
+
+
+@dataclass
+class OnePeerExp2Config(TopologyConfig):
+    name: str = "one_peer_exp2"
+
+
+@dataclass
+class OnePeerRingConfig(TopologyConfig):
+    name: str = "one_peer_ring"
+
+
+@dataclass
+class InnerOuterExp2Config(TopologyConfig):
+    """Machines of engine.ranks_per_machine ranks each."""
+
+    name: str = "inner_outer_exp2"
+
+
 # ------------------------------------------------------------------ model
 @dataclass
 class ModelConfig:
@@ -205,7 +263,19 @@ class Config:
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "algorithm": {"dsgd": DSGDConfig, "allreduce": AllreduceConfig},
-    "topology": {"ring": RingConfig, "exp2": Exp2Config},
+    "topology": {
+        "ring": RingConfig,
+        "exp2": Exp2Config,
+        "symmetric_exp2": SymmetricExp2Config,
+        "mesh": MeshConfig,
+        "star": StarConfig,
+        "fully_connected": FullyConnectedConfig,
+        "hypercube": HypercubeConfig,
+        "random_regular": RandomRegularConfig,
+        "one_peer_exp2": OnePeerExp2Config,
+        "one_peer_ring": OnePeerRingConfig,
+        "inner_outer_exp2": InnerOuterExp2Config,
+    },
     "model": {"logreg": LogRegConfig, "mlp": MLPConfig},
     "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig},
     "engine": {"mpi": MPIEngineConfig},

@@ -1,24 +1,96 @@
-"""Graphs, dynamic schedules and mixing weights (see base.Topology)."""
+"""Graphs, dynamic schedules and mixing weights (see base.Topology).
+
+``build_topology(cfg, size)`` turns a ``topology`` config node into a
+Topology and raises ValueError, with a one-line message naming the bad value
+and what is allowed, for anything that cannot run (a rank count the graph
+cannot take, a disconnected graph, weights the graph cannot have). The CLI
+calls it before any rank starts and turns the error into exit code 2.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
-from bfexp.topology.base import RankWeights, Topology
-from bfexp.topology.graphs import Exp2, Ring
+from bfexp.topology.base import GraphTopology, RankWeights, Topology
+from bfexp.topology.custom import AdjacencyTopology, MatrixTopology, Undirected
+from bfexp.topology.dynamic import InnerOuterExp2, OnePeerExp2, OnePeerRing
+from bfexp.topology.graphs import (
+    Exp2,
+    FullyConnected,
+    Hypercube,
+    Mesh,
+    RandomRegular,
+    Ring,
+    Star,
+    SymmetricExp2,
+)
+from bfexp.topology.mixing import WEIGHT_SCHEMES
 
-__all__ = ["RankWeights", "Topology", "build_topology"]
+__all__ = [
+    "TOPOLOGIES",
+    "WEIGHT_SCHEMES",
+    "AdjacencyTopology",
+    "GraphTopology",
+    "MatrixTopology",
+    "RankWeights",
+    "Topology",
+    "Undirected",
+    "build_topology",
+]
+
+# Config option name (conf/topology/<name>.yaml) -> class. Each class takes
+# (size, **the option's parameters); inner_outer_exp2 also ranks_per_machine.
+TOPOLOGIES: dict[str, Callable[..., Topology]] = {
+    cls.name: cls
+    for cls in (
+        Ring,
+        Exp2,
+        SymmetricExp2,
+        Mesh,
+        Star,
+        FullyConnected,
+        Hypercube,
+        RandomRegular,
+        OnePeerExp2,
+        OnePeerRing,
+        InnerOuterExp2,
+    )
+}
+
+# Classes that need to know how ranks sit on machines.
+_NEEDS_RANKS_PER_MACHINE = {"inner_outer_exp2"}
 
 
 def build_topology(cfg: Any, size: int, ranks_per_machine: int = 0) -> Topology:
-    """The topology a config node (name + parameters) describes, for `size` ranks."""
-    name = cfg.name
-    if name == "ring":
-        topo: Topology = Ring(size, directed=bool(cfg.get("directed", False)))
-    elif name == "exp2":
-        topo = Exp2(size, base=int(cfg.get("base", 2)))
-    else:
-        raise ValueError(f"topology={name!r}; allowed: ring, exp2")
-    if cfg.get("weights", "uniform") != "uniform":
-        raise ValueError(f"topology.weights={cfg.weights!r}; allowed here: uniform")
-    return topo
+    """The topology a config node (``name`` + parameters) describes, for ``size`` ranks.
+
+    Raises ValueError (one line: the bad value and what is allowed) when it cannot run.
+    """
+    params = _as_dict(cfg)
+    name = params.pop("name", None)
+    if name not in TOPOLOGIES:
+        raise ValueError(f"topology={name!r}; allowed: {', '.join(TOPOLOGIES)}")
+    if name in _NEEDS_RANKS_PER_MACHINE:
+        params["ranks_per_machine"] = ranks_per_machine
+    try:
+        return TOPOLOGIES[name](size, **params)
+    except TypeError as exc:  # a parameter this graph does not have
+        raise ValueError(f"topology={name}: {exc}".replace("__init__() ", "")) from None
+
+
+def check_topology(cfg: Any, size: int, ranks_per_machine: int = 0) -> None:
+    """Raise ValueError when this topology config cannot run on ``size`` ranks."""
+    build_topology(cfg, size, ranks_per_machine)
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"topology config must be a mapping with a 'name'; got {type(cfg).__name__}")
