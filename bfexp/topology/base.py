@@ -205,6 +205,12 @@ class Topology(abc.ABC):
             "spectral_gap": self.spectral_gap(),
         }
 
+    def draw(self, path: Any) -> Any:
+        """Picture of W(t) (one panel per iteration of a period) written to ``path``; see draw.py."""
+        from bfexp.topology.draw import draw
+
+        return draw(self, path)
+
     # checks and forms ---------------------------------------------------
     def validate(self) -> None:
         """Reject weights that mix nothing sensibly and graphs that do not connect all ranks.

@@ -1,0 +1,83 @@
+"""Pictures of a topology: one panel for a static graph, one per iteration of a period for a dynamic one.
+
+matplotlib and networkx are imported here only, when a picture is asked
+for; the figure is rendered with the Agg canvas directly, so no global
+backend is switched and no display is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from bfexp.topology.base import Topology
+
+# More panels than this would be unreadable; the rest of a long period is left out (and said so).
+MAX_PANELS = 36
+
+
+def draw(topology: Topology, path: str | Path, *, max_panels: int = MAX_PANELS) -> Path:
+    """Draw W(t) for t in one period into an image file (format from the suffix, e.g. .png)."""
+    import networkx as nx
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = topology.size
+    panels = min(topology.period, max_panels)
+    cols = math.ceil(math.sqrt(panels))
+    rows = math.ceil(panels / cols)
+    side = max(2.5, min(5.0, 14.0 / cols))
+    fig = Figure(figsize=(max(side * cols, 6.0), side * rows + 0.8))
+    FigureCanvasAgg(fig)
+    pos = {i: tuple(p) for i, p in enumerate(topology.positions())}
+    node_size = float(np.clip(6000 / max(n, 1), 20, 400))
+    for t in range(panels):
+        ax = fig.add_subplot(rows, cols, t + 1)
+        m = topology.sparse_matrix(t)
+        edges = {(int(s), int(r)): float(w) for s, r, w in zip(m.senders, m.receivers, m.values)}
+        two_way = [(s, r) for (s, r) in edges if s < r and (r, s) in edges]
+        one_way = [(s, r) for (s, r) in edges if (r, s) not in edges]
+        g = nx.DiGraph()
+        g.add_nodes_from(range(n))
+        g.add_edges_from(edges)
+        nx.draw_networkx_nodes(g, pos, ax=ax, node_size=node_size, node_color="#9ecae1", edgecolors="#3182bd")
+        if n <= 64:
+            nx.draw_networkx_labels(g, pos, ax=ax, font_size=8 if n <= 32 else 6)
+        nx.draw_networkx_edges(
+            g, pos, ax=ax, edgelist=two_way, arrows=False, edge_color="#636363", width=_widths(edges, two_way)
+        )
+        nx.draw_networkx_edges(
+            g,
+            pos,
+            ax=ax,
+            edgelist=one_way,
+            arrows=True,
+            arrowstyle="-|>",
+            arrowsize=10,
+            node_size=node_size,
+            edge_color="#de2d26",
+            width=_widths(edges, one_way),
+            connectionstyle="arc3,rad=0.08",
+        )
+        if topology.is_dynamic:
+            ax.set_title(f"t = {t}", fontsize=10)
+        ax.set_axis_off()
+        ax.set_aspect("equal")
+    more = f" (first {panels} of {topology.period} shown)" if panels < topology.period else ""
+    kind = f"dynamic, period {topology.period}{more}" if topology.is_dynamic else "static"
+    fig.suptitle(
+        f"{topology.label}\n{n} ranks, weights={topology.weight_scheme}, {kind}, "
+        f"spectral gap {topology.spectral_gap():.4f}",
+        fontsize=11,
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _widths(weights: dict[tuple[int, int], float], edges: list[tuple[int, int]]) -> list[float]:
+    """Thicker lines for larger weights, so uneven weighting shows."""
+    return [0.6 + 3.0 * weights[e] for e in edges]
