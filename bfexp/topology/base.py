@@ -52,6 +52,8 @@ class Topology(abc.ABC):
     period: int = 1
     # True when the user asked for a one-way graph: it then has no undirected form.
     declared_directed: bool = False
+    # Appended to the "disconnected" error: how to get a connected graph instead.
+    connect_hint: str = ""
 
     def __init__(self, size: int, weights: str = "uniform") -> None:
         check_ranks(size)
@@ -239,7 +241,7 @@ class Topology(abc.ABC):
         if not self.is_strongly_connected():
             raise ValueError(
                 f"topology={self.label} is disconnected for ranks={self.size}; "
-                "allowed: a graph that connects every rank"
+                f"allowed: a graph that connects every rank{self.connect_hint}"
             )
 
     def require(

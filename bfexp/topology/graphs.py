@@ -192,6 +192,7 @@ class RandomRegular(GraphTopology):
     """
 
     name = "random_regular"
+    connect_hint = " (try another seed or degree >= 3)"
 
     def __init__(self, size: int, degree: int = 3, seed: int = 0, weights: str = "uniform") -> None:
         super().__init__(size, weights)
