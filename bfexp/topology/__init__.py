@@ -9,6 +9,7 @@ calls it before any rank starts and turns the error into exit code 2.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 from bfexp.topology.base import GraphTopology, RankWeights, Topology
@@ -30,12 +31,24 @@ __all__ = [
     "TOPOLOGIES",
     "WEIGHT_SCHEMES",
     "AdjacencyTopology",
+    "Exp2",
+    "FullyConnected",
     "GraphTopology",
+    "Hypercube",
+    "InnerOuterExp2",
     "MatrixTopology",
+    "Mesh",
+    "OnePeerExp2",
+    "OnePeerRing",
+    "RandomRegular",
     "RankWeights",
+    "Ring",
+    "Star",
+    "SymmetricExp2",
     "Topology",
     "Undirected",
     "build_topology",
+    "check_topology",
 ]
 
 # Config option name (conf/topology/<name>.yaml) -> class. Each class takes
@@ -72,10 +85,11 @@ def build_topology(cfg: Any, size: int, ranks_per_machine: int = 0) -> Topology:
         raise ValueError(f"topology={name!r}; allowed: {', '.join(TOPOLOGIES)}")
     if name in _NEEDS_RANKS_PER_MACHINE:
         params["ranks_per_machine"] = ranks_per_machine
-    try:
-        return TOPOLOGIES[name](size, **params)
-    except TypeError as exc:  # a parameter this graph does not have
-        raise ValueError(f"topology={name}: {exc}".replace("__init__() ", "")) from None
+    accepted = [p for p in inspect.signature(TOPOLOGIES[name]).parameters if p != "size"]
+    for key in params:
+        if key not in accepted:
+            raise ValueError(f"topology={name} has no parameter {key!r}; allowed: {', '.join(accepted)}")
+    return TOPOLOGIES[name](size, **params)
 
 
 def check_topology(cfg: Any, size: int, ranks_per_machine: int = 0) -> None:
