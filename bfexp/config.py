@@ -37,7 +37,7 @@ class AlgorithmConfig:
 @dataclass
 class DSGDConfig(AlgorithmConfig):
     name: str = "dsgd"
-    # atc: X+ = W(X - a F(X)); awc: X+ = WX - a F(X); cta: X+ = WX - a F(WX).
+    # atc: X+ = W(X - a F(X)); awc: X+ = WX - a F(X).
     style: str = "atc"
 
 
@@ -259,6 +259,9 @@ class Config:
     divergence_loss: float = 1e6
     # Seconds a job may run before the driver stops it (0 = no limit).
     timeout_s: float = 0.0
+    # Fault injection, for testing how a job fails: this rank raises at fail_step.
+    fail_rank: Optional[int] = None
+    fail_step: int = 1
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -305,7 +308,7 @@ ALLOWED = {
     "topology.weights": ("uniform", "metropolis", "column"),
     "dataset.partition": ("iid", "dirichlet", "sorted"),
     "model.activation": ("relu", "tanh", "gelu"),
-    "algorithm.style": ("atc", "awc", "cta"),
+    "algorithm.style": ("atc", "awc"),
 }
 
 

@@ -1,0 +1,50 @@
+"""Spawn real MPI ranks from a test, the way the launcher does.
+
+`run_ranks(n, code)` runs `code` (a Python source string) on n ranks under
+mpiexec; each rank can call `emit(obj)` to hand a JSON-able result back,
+and the test receives the list of results indexed by rank.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from bfexp.launch import find_mpiexec, rank_environment
+
+PRELUDE = """
+import json, os, sys
+from mpi4py import MPI
+_out = os.environ["BFEXP_TEST_OUT"]
+def emit(obj):
+    with open(os.path.join(_out, f"rank{MPI.COMM_WORLD.Get_rank()}.json"), "w") as f:
+        json.dump(obj, f)
+"""
+
+
+def run_ranks(n: int, code: str, tmp_path: Path, timeout: float = 120.0, env: dict | None = None) -> list:
+    """Run `code` on n MPI ranks; return what each rank emit()-ed (None if nothing)."""
+    out = tmp_path / f"ranks-out-{n}"
+    out.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / f"ranks-script-{n}.py"
+    script.write_text(PRELUDE + textwrap.dedent(code))
+    environment = rank_environment(n)
+    environment["BFEXP_TEST_OUT"] = str(out)
+    environment.update(env or {})
+    proc = subprocess.run(
+        [find_mpiexec(), "--oversubscribe", "-n", str(n), sys.executable, "-m", "mpi4py", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"ranks failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    results = []
+    for r in range(n):
+        path = out / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return results

@@ -1,0 +1,32 @@
+"""Every option of every config group composes and runs a small job.
+
+Options are discovered from conf/, so a new option is covered the day it
+lands. EXTRA gives an option the context it needs to run small here.
+"""
+
+import json
+
+import pytest
+
+from bfexp.cli import GROUPS, group_options
+
+# Overrides an option needs to run small on this machine.
+EXTRA: dict[tuple[str, str], list[str]] = {}
+# Options that cannot run here, with the reason (checked at collection time).
+UNAVAILABLE: dict[tuple[str, str], str] = {}
+
+CASES = [(g, o) for g in GROUPS for o in group_options(g)]
+
+
+@pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_option_composes_and_runs(bfexp, group, option):
+    if (group, option) in UNAVAILABLE:
+        pytest.skip(UNAVAILABLE[(group, option)])
+    args = [f"{group}={option}", "ranks=2", "steps=4", "log_every=2", "hydra.run.dir=run",
+            *EXTRA.get((group, option), [])]
+    proc = bfexp(*args)
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    summary = json.loads((bfexp.cwd / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    if group in ("algorithm", "model", "dataset"):
+        assert summary[group] == option
