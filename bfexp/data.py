@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bfexp.config import DATASET_FILES
+
 
 @dataclass
 class RankData:
@@ -166,10 +168,9 @@ def _find(root: Path, stem: str) -> Path:
 def mnist(cfg: Any, rank: int, size: int, seed: int) -> RankData:
     """MNIST from the four idx files (as distributed by LeCun et al.) in `root`."""
     root = Path(cfg.root).expanduser()
-    x_tr = _read_idx(_find(root, "train-images-idx3-ubyte")).astype(np.float32) / 255.0
-    y_tr = _read_idx(_find(root, "train-labels-idx1-ubyte")).astype(np.int64)
-    x_te = _read_idx(_find(root, "t10k-images-idx3-ubyte")).astype(np.float32) / 255.0
-    y_te = _read_idx(_find(root, "t10k-labels-idx1-ubyte")).astype(np.int64)
+    x_tr, y_tr, x_te, y_te = (_read_idx(_find(root, name)) for name in DATASET_FILES["mnist"])
+    x_tr, x_te = x_tr.astype(np.float32) / 255.0, x_te.astype(np.float32) / 255.0
+    y_tr, y_te = y_tr.astype(np.int64), y_te.astype(np.int64)
     return _to_rank_data(x_tr[:, None], y_tr, x_te[:, None], y_te, 10, cfg, rank, size, seed)
 
 
@@ -185,10 +186,11 @@ def cifar10(cfg: Any, rank: int, size: int, seed: int) -> RankData:
             batch = pickle.load(f, encoding="bytes")
         return batch[b"data"].reshape(-1, 3, 32, 32), np.array(batch[b"labels"], dtype=np.int64)
 
-    parts = [load(f"data_batch_{i}") for i in range(1, 6)]
+    *train_names, test_name = DATASET_FILES["cifar10"]
+    parts = [load(name) for name in train_names]
     x_tr = np.concatenate([p[0] for p in parts]).astype(np.float32) / 255.0
     y_tr = np.concatenate([p[1] for p in parts])
-    x_te, y_te = load("test_batch")
+    x_te, y_te = load(test_name)
     mean = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32)[None, :, None, None]
     std = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32)[None, :, None, None]
     return _to_rank_data((x_tr - mean) / std, y_tr, (x_te.astype(np.float32) / 255.0 - mean) / std, y_te, 10, cfg, rank, size, seed)

@@ -27,7 +27,33 @@ def mlp(in_features: int, classes: int, cfg: Any) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-MODEL_BUILDERS: dict[str, Callable[[int, int, Any], nn.Module]] = {"logreg": logreg, "mlp": mlp}
+def cnn(in_features: int, classes: int, cfg: Any) -> nn.Module:
+    """LeNet-style: conv-relu-pool blocks, then two linear layers. Needs image input
+    (N, C, H, W); flat inputs of a square size (e.g. digits' 64) are viewed as one channel."""
+    layers: list[nn.Module] = []
+    in_ch = None  # inferred from the first batch (1 for MNIST, 3 for CIFAR-10)
+    for out_ch in cfg.channels:
+        conv = nn.LazyConv2d(out_ch, 3, padding=1) if in_ch is None else nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        layers += [conv, nn.ReLU(), nn.MaxPool2d(2)]
+        in_ch = out_ch
+    return nn.Sequential(_AsImage(in_features), *layers, nn.Flatten(), nn.LazyLinear(cfg.hidden), nn.ReLU(),
+                         nn.Linear(cfg.hidden, classes))
+
+
+class _AsImage(nn.Module):
+    """Pass (N, C, H, W) through; view flat square inputs as (N, 1, s, s)."""
+
+    def __init__(self, in_features: int) -> None:
+        super().__init__()
+        self.side = int(round(math.sqrt(in_features)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.side * self.side == x.shape[1]:
+            return x.view(x.shape[0], 1, self.side, self.side)
+        return x
+
+
+MODEL_BUILDERS: dict[str, Callable[[int, int, Any], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
 
 
 @torch.no_grad()
@@ -46,12 +72,26 @@ def initialize(model: nn.Module, generator: torch.Generator) -> None:
                 nn.init.zeros_(module.bias)
 
 
-def build_model(cfg: Any, in_features: int, classes: int, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model a config names, identical on every rank for the same seed."""
+def build_model(
+    cfg: Any,
+    in_features: int,
+    classes: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    in_shape: tuple[int, ...] | None = None,
+) -> nn.Module:
+    """The model a config names, identical on every rank for the same seed.
+
+    `in_shape` (one sample's shape) lets models with lazily sized layers
+    materialize them before initialization; it defaults to (in_features,).
+    """
     try:
         builder = MODEL_BUILDERS[cfg.name]
     except KeyError:
         raise ValueError(f"model={cfg.name!r}; allowed: {', '.join(MODEL_BUILDERS)}") from None
     model = builder(in_features, classes, cfg)
+    if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
+        with torch.no_grad():
+            model(torch.zeros(1, *(in_shape or (in_features,))))
     initialize(model, torch.Generator().manual_seed(seed))
     return model.to(dtype)

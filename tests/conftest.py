@@ -23,3 +23,57 @@ def bfexp(tmp_path):
 
     call.cwd = tmp_path
     return call
+
+
+def write_mnist(root: Path, train: int = 120, test: int = 40, seed: int = 0) -> dict:
+    """Tiny MNIST-format idx files (gzipped train, plain test), as LeCun's distribution lays them out."""
+    import gzip
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, size=(train, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, size=train, dtype=np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, size=(test, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, size=test, dtype=np.uint8),
+    }
+    for name, a in arrays.items():
+        header = bytes([0, 0, 0x08, a.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in a.shape)
+        payload = header + a.tobytes()
+        if name.startswith("train"):
+            with gzip.open(root / f"{name}.gz", "wb") as f:
+                f.write(payload)
+        else:
+            (root / name).write_bytes(payload)
+    return arrays
+
+
+def write_cifar10(root: Path, per_batch: int = 20, seed: int = 0) -> dict:
+    """Tiny CIFAR-10 python-format batches (dicts of b'data' uint8 rows and b'labels')."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, size=per_batch).tolist()}
+        with open(root / name, "wb") as f:
+            pickle.dump(batch, f)
+        batches[name] = batch
+    return batches
+
+
+@pytest.fixture(scope="session", autouse=True)
+def local_image_datasets(tmp_path_factory):
+    """Generated MNIST/CIFAR-10 folders, named by env vars the option tests read."""
+    base = tmp_path_factory.mktemp("datasets")
+    os.environ["BFEXP_TEST_MNIST"] = str(base / "mnist")
+    os.environ["BFEXP_TEST_CIFAR10"] = str(base / "cifar10")
+    write_mnist(base / "mnist")
+    write_cifar10(base / "cifar10")
+    return base

@@ -11,7 +11,13 @@ import pytest
 from bfexp.cli import GROUPS, group_options
 
 # Overrides an option needs to run small on this machine.
-EXTRA: dict[tuple[str, str], list[str]] = {}
+EXTRA: dict[tuple[str, str], list[str]] = {
+    ("topology", "random_regular"): ["topology.degree=1"],
+    ("topology", "inner_outer_exp2"): ["engine.ranks_per_machine=1"],
+    ("model", "cnn"): ["dataset=digits"],
+    ("dataset", "mnist"): ["dataset.root=${oc.env:BFEXP_TEST_MNIST}"],
+    ("dataset", "cifar10"): ["dataset.root=${oc.env:BFEXP_TEST_CIFAR10}"],
+}
 # Options that cannot run here, with the reason (checked at collection time).
 UNAVAILABLE: dict[tuple[str, str], str] = {}
 

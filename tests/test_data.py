@@ -52,3 +52,36 @@ def test_sampler_reshuffles_each_epoch():
     sampler.next()
     assert sampler.epoch == 1
     assert sum(len(s) for s in seen) == sampler.steps_per_epoch * 32
+
+
+def test_mnist_loader_reads_idx_files(tmp_path):
+    from tests.conftest import write_mnist
+
+    arrays = write_mnist(tmp_path / "m", train=60, test=20)
+    cfg = OmegaConf.create(dict(name="mnist", root=str(tmp_path / "m"), partition="iid", alpha=0.5, eval_samples=0))
+    shards = [load_rank_data(cfg, r, 2, seed=0) for r in range(2)]
+    x = np.concatenate([s.train_x.numpy() for s in shards])
+    assert x.shape == (60, 1, 28, 28) and shards[0].global_train_size == 60
+    # Every training image arrives scaled to [0, 1], each exactly once.
+    want = np.sort(arrays["train-images-idx3-ubyte"].reshape(60, -1).sum(1) / 255.0)
+    np.testing.assert_allclose(np.sort(x.reshape(60, -1).sum(1)), want, rtol=1e-5)
+    np.testing.assert_array_equal(shards[0].test_y.numpy(), arrays["t10k-labels-idx1-ubyte"])
+
+
+def test_cifar10_loader_reads_pickle_batches(tmp_path):
+    from tests.conftest import write_cifar10
+
+    batches = write_cifar10(tmp_path / "c", per_batch=10)
+    cfg = OmegaConf.create(dict(name="cifar10", root=str(tmp_path / "c"), partition="iid", alpha=0.5, eval_samples=0))
+    data = load_rank_data(cfg, 0, 1, seed=0)
+    assert data.train_x.shape == (50, 3, 32, 32) and data.test_x.shape == (10, 3, 32, 32)
+    raw = batches["test_batch"][b"data"][0].reshape(3, 32, 32) / 255.0
+    mean = np.array([0.4914, 0.4822, 0.4465])[:, None, None]
+    std = np.array([0.2470, 0.2435, 0.2616])[:, None, None]
+    np.testing.assert_allclose(data.test_x[0].numpy(), (raw - mean) / std, rtol=1e-5, atol=1e-5)
+
+
+def test_missing_dataset_files_exit_2(bfexp, tmp_path):
+    proc = bfexp("dataset=mnist", f"dataset.root={tmp_path}/nothing", "hydra.run.dir=run")
+    assert proc.returncode == 2
+    assert "dataset.root=" in proc.stderr and "train-images-idx3-ubyte" in proc.stderr
