@@ -13,6 +13,7 @@ needs it for ``--help`` and completion, which must stay instant.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -145,6 +146,15 @@ class MLPConfig(ModelConfig):
     activation: str = "relu"
 
 
+@dataclass
+class CNNConfig(ModelConfig):
+    """A small LeNet-style convolutional net for image data sets."""
+
+    name: str = "cnn"
+    channels: List[int] = field(default_factory=lambda: [16, 32])
+    hidden: int = 128
+
+
 # ------------------------------------------------------------------ dataset
 @dataclass
 class DatasetConfig:
@@ -177,6 +187,22 @@ class DigitsConfig(DatasetConfig):
     name: str = "digits"
     partition: str = "dirichlet"
     test_fraction: float = 0.2
+
+
+@dataclass
+class MNISTConfig(DatasetConfig):
+    """MNIST from its four idx files (optionally .gz) in a local folder; nothing is downloaded."""
+
+    name: str = "mnist"
+    root: str = "data/mnist"
+
+
+@dataclass
+class CIFAR10Config(DatasetConfig):
+    """CIFAR-10 from the python pickle batches (cifar-10-batches-py) in a local folder."""
+
+    name: str = "cifar10"
+    root: str = "data/cifar-10-batches-py"
 
 
 # ------------------------------------------------------------------ engine
@@ -279,8 +305,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "one_peer_ring": OnePeerRingConfig,
         "inner_outer_exp2": InnerOuterExp2Config,
     },
-    "model": {"logreg": LogRegConfig, "mlp": MLPConfig},
-    "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig},
+    "model": {"logreg": LogRegConfig, "mlp": MLPConfig, "cnn": CNNConfig},
+    "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig, "mnist": MNISTConfig, "cifar10": CIFAR10Config},
     "engine": {"mpi": MPIEngineConfig},
     "scaling": {"local": LocalScalingConfig},
     "logger": {"console": ConsoleLoggerConfig},
@@ -310,6 +336,22 @@ ALLOWED = {
     "model.activation": ("relu", "tanh", "gelu"),
     "algorithm.style": ("atc", "awc"),
 }
+
+
+# Files a local-folder data set needs (nothing is downloaded at run time).
+DATASET_FILES = {
+    "mnist": ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"],
+    "cifar10": [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"],
+}
+
+
+def missing_files(dataset: str, root: str) -> list[str]:
+    """Files of `dataset` absent from `root` (MNIST's may be gzipped)."""
+    base = os.path.expanduser(root)
+    return [
+        name for name in DATASET_FILES[dataset]
+        if not any(os.path.exists(os.path.join(base, name + ext)) for ext in ("", ".gz"))
+    ]
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -355,5 +397,8 @@ def validate(cfg: Any) -> None:
         _require(ds.classes >= 2, f"dataset.classes={ds.classes}; allowed: an integer >= 2")
         _require(ds.features >= 1, f"dataset.features={ds.features}; allowed: an integer >= 1")
         _require(ds.samples_per_rank >= 1, f"dataset.samples_per_rank={ds.samples_per_rank}; allowed: >= 1")
+    if ds.name in ("mnist", "cifar10"):
+        missing = missing_files(ds.name, ds.root)
+        _require(not missing, f"dataset.root={ds.root!r} lacks {missing}; place the {ds.name} files there (nothing is downloaded)")
     if ds.partition == "dirichlet":
         _require(ds.alpha > 0, f"dataset.alpha={ds.alpha}; allowed: a number > 0")

@@ -58,7 +58,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> dict:
     topology = build_topology(cfg.topology, size, cfg.engine.ranks_per_machine)
     engine.set_topology(topology)
     data = load_rank_data(cfg.dataset, rank, size, cfg.seed)
-    model = build_model(cfg.model, data.in_features, data.classes, cfg.seed, dtype)
+    model = build_model(cfg.model, data.in_features, data.classes, cfg.seed, dtype, in_shape=tuple(data.train_x.shape[1:]))
     optimizer = build_algorithm(cfg.algorithm, make_local_optimizer(cfg, model.parameters()), engine, topology)
     sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
     steps = total_steps(cfg, data.global_train_size, size)
