@@ -97,7 +97,7 @@ def run_job(cfg: Any) -> str:
     from pathlib import Path
 
     from bfexp.config import validate
-    from bfexp.launch import launch, job_identity
+    from bfexp.launch import LaunchError, check_engine, job_identity, launch
     from bfexp.progress import ConsoleProgress, print_summary
     from bfexp.topology import build_topology
 
@@ -105,7 +105,8 @@ def run_job(cfg: Any) -> str:
     try:
         validate(cfg)
         build_topology(cfg.topology, cfg.ranks, cfg.engine.ranks_per_machine)
-    except ValueError as e:
+        check_engine(cfg)  # e.g. engine=nccl without a GPU
+    except (ValueError, LaunchError) as e:
         fail(str(e))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     ident = job_identity(cfg)

@@ -222,6 +222,14 @@ class MPIEngineConfig(EngineConfig):
     mpiexec_args: List[str] = field(default_factory=list)
 
 
+@dataclass
+class NCCLEngineConfig(EngineConfig):
+    """CuPy-NCCL on GPUs: one MPI rank per GPU (GPU = the rank's index on its machine)."""
+
+    name: str = "nccl"
+    mpiexec_args: List[str] = field(default_factory=list)
+
+
 # ------------------------------------------------------------------ scaling
 @dataclass
 class ScalingConfig:
@@ -307,7 +315,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "model": {"logreg": LogRegConfig, "mlp": MLPConfig, "cnn": CNNConfig},
     "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig, "mnist": MNISTConfig, "cifar10": CIFAR10Config},
-    "engine": {"mpi": MPIEngineConfig},
+    "engine": {"mpi": MPIEngineConfig, "nccl": NCCLEngineConfig},
     "scaling": {"local": LocalScalingConfig},
     "logger": {"console": ConsoleLoggerConfig},
 }

@@ -263,8 +263,19 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
     return JobResult("failed", run_dir, summary, returncode)
 
 
+def check_engine(cfg: Any) -> None:
+    """Refuse, before any rank starts, an engine this machine cannot run (LaunchError: exit 2)."""
+    if cfg.engine.name == "nccl":
+        from bfexp.comm.nccl import nccl_available
+
+        ok, reason = nccl_available(cfg.ranks, cfg.engine.ranks_per_machine or None)
+        if not ok:
+            raise LaunchError(f"engine=nccl cannot run here: {reason}")
+
+
 def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
     """Run one job with the engine its config names."""
-    if cfg.engine.name in ("mpi",):
+    check_engine(cfg)
+    if cfg.engine.name in ("mpi", "nccl"):  # nccl: one MPI rank per GPU, MPI only bootstraps
         return launch_mpi(cfg, run_dir, on_record)
-    raise LaunchError(f"engine={cfg.engine.name!r}; allowed: mpi")
+    raise LaunchError(f"engine={cfg.engine.name!r}; allowed: mpi, nccl")

@@ -58,12 +58,14 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> dict:
     topology = build_topology(cfg.topology, size, cfg.engine.ranks_per_machine)
     engine.set_topology(topology)
     data = load_rank_data(cfg.dataset, rank, size, cfg.seed)
-    model = build_model(cfg.model, data.in_features, data.classes, cfg.seed, dtype, in_shape=tuple(data.train_x.shape[1:]))
+    # GPU engines (nccl) name the rank's device; CPU engines have none.
+    device = getattr(engine, "device", None) or torch.device("cpu")
+    model = build_model(cfg.model, data.in_features, data.classes, cfg.seed, dtype, in_shape=tuple(data.train_x.shape[1:])).to(device)
     optimizer = build_algorithm(cfg.algorithm, make_local_optimizer(cfg, model.parameters()), engine, topology)
     sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
     steps = total_steps(cfg, data.global_train_size, size)
     timer = StepTimer(warmup=min(3, steps // 4))
-    test_x, test_y = data.test_x.to(dtype), data.test_y
+    test_x, test_y = data.test_x.to(device, dtype), data.test_y.to(device)
     metrics_path = run_dir / results.METRICS
     status, error = "completed", None
     record: dict = {}
@@ -73,6 +75,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> dict:
         if cfg.fail_rank == rank and step == cfg.fail_step:
             raise RuntimeError(f"injected failure (fail_rank={rank}, fail_step={step})")
         x, y = sampler.next()
+        x, y = x.to(device), y.to(device)
         timer.start(engine)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x.to(dtype)).float(), y)
@@ -166,9 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
     cfg = OmegaConf.load(run_dir / results.CONFIG)
-    from bfexp.comm.mpi import MPIEngine
+    if cfg.engine.name == "nccl":  # one rank per GPU; NCCL's unique id travels over MPI
+        from bfexp.comm.nccl import NCCLEngine
 
-    engine = MPIEngine(ranks_per_machine=cfg.engine.ranks_per_machine)
+        engine = NCCLEngine(ranks_per_machine=cfg.engine.ranks_per_machine)
+    else:
+        from bfexp.comm.mpi import MPIEngine
+
+        engine = MPIEngine(ranks_per_machine=cfg.engine.ranks_per_machine)
     _redirect_output(run_dir, engine.rank)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:

@@ -21,6 +21,17 @@ EXTRA: dict[tuple[str, str], list[str]] = {
 # Options that cannot run here, with the reason (checked at collection time).
 UNAVAILABLE: dict[tuple[str, str], str] = {}
 
+
+def _nccl_unavailable() -> None:
+    from bfexp.comm.nccl import nccl_available
+
+    ok, reason = nccl_available(2)
+    if not ok:
+        UNAVAILABLE[("engine", "nccl")] = f"engine=nccl needs 2 GPUs with CuPy and NCCL: {reason}"
+
+
+_nccl_unavailable()
+
 CASES = [(g, o) for g in GROUPS for o in group_options(g)]
 
 
