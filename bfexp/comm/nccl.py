@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from bfexp.comm.engine import (
+    CommError,
     DstWeights,
     Engine,
     Handle,
@@ -62,6 +63,7 @@ from bfexp.comm.engine import (
     as_list,
     check_float,
     fuse,
+    normalize_dst,
     restore,
 )
 
@@ -111,6 +113,90 @@ def _mpi():
     return MPI
 
 
+# ------------------------------------------------------------------ pattern checks (host side, MPI)
+def pattern_problem(
+    sends: Sequence[Sequence[int]],
+    expects: Sequence[Sequence[int]],
+    signatures: Sequence[Any] | None = None,
+    unit: str = "rank",
+) -> str | None:
+    """The first way a send/receive pattern does not match, or None.
+
+    ``sends[q]`` are the peers q sends to, ``expects[r]`` the peers r
+    receives from; with ``signatures``, both ends of an edge must agree
+    (e.g. element count and dtype). Deterministic, so every rank that
+    checks the same table reports the same problem.
+    """
+    send_sets = [set(map(int, d)) for d in sends]
+    for r, sources in enumerate(expects):
+        for q in sorted(map(int, sources)):
+            if r not in send_sets[q]:
+                return f"{unit} {r} expects a message from {unit} {q}, but {unit} {q} does not send to {unit} {r}"
+            if signatures is not None and signatures[q] != signatures[r]:
+                return f"{unit} {q} sends {signatures[q]} to {unit} {r}, which expects {signatures[r]}"
+    expect_sets = [set(map(int, s)) for s in expects]
+    for q, targets in enumerate(sends):
+        for r in sorted(targets):
+            if q not in expect_sets[r]:
+                return f"{unit} {q} sends to {unit} {r}, but {unit} {r} does not expect a message from {unit} {q}"
+    return None
+
+
+def check_pattern(
+    comm: Any,
+    op: str,
+    dsts: Any,
+    srcs: Any,
+    signature: Any,
+    same_signature: bool = True,
+    unit: str = "rank",
+) -> list[Any]:
+    """Share every rank's (destinations, sources, signature) over MPI; raise CommError on every rank on a mismatch.
+
+    Returns every rank's signature (receivers learn what they will get).
+    NCCL would wait forever instead: a receive nobody sends never ends.
+    """
+    table = comm.allgather((sorted(int(d) for d in dsts), sorted(int(s) for s in srcs), signature))
+    signatures = [sig for _, _, sig in table]
+    problem = pattern_problem([d for d, _, _ in table], [s for _, s, _ in table], signatures if same_signature else None, unit)
+    if problem:
+        raise CommError(f"{op}: {problem}")
+    return signatures
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def check_gather_shapes(op: str, everyone: Sequence[tuple[tuple, str]]) -> None:
+    """Gathered tensors may differ in their first dimension only; every rank checks the same table."""
+    shapes0, dtype0 = everyone[0]
+    for r, (shapes, dtype) in enumerate(everyone):
+        if dtype != dtype0 or len(shapes) != len(shapes0):
+            raise CommError(f"{op}: rank {r} gives {len(shapes)} x {dtype}, rank 0 gives {len(shapes0)} x {dtype0}")
+        for i, (a, b) in enumerate(zip(shapes, shapes0)):
+            if len(a) == 0 or tuple(a[1:]) != tuple(b[1:]):
+                raise CommError(
+                    f"{op}: tensor {i} is {tuple(a)} on rank {r} and {tuple(b)} on rank 0; "
+                    "allowed: the same shape except the first dimension (at least 1-d)"
+                )
+
+
+def split_gathered(rows: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple]]) -> list[torch.Tensor]:
+    """Cut each source's fused row into its tensors and concatenate them per tensor, source by source."""
+    per_tensor: list[list[torch.Tensor]] = [[] for _ in shapes[0]]
+    for row, row_shapes in zip(rows, shapes):
+        offset = 0
+        for i, shape in enumerate(row_shapes):
+            n = _numel(shape)
+            per_tensor[i].append(row[offset : offset + n].view(shape))
+            offset += n
+    return [torch.cat(parts) for parts in per_tensor]
+
+
 # torch dtype -> name of CuPy's NCCL datatype constant, for reductions.
 NCCL_TYPES = {
     torch.float32: "NCCL_FLOAT32",
@@ -146,8 +232,12 @@ def as_cupy(t: torch.Tensor) -> Any:
 class NCCLEngine(Engine):
     name = "nccl"
 
-    def __init__(self, comm: Any = None, ranks_per_machine: int = 0, gpu: int | None = None) -> None:
+    def __init__(
+        self, comm: Any = None, ranks_per_machine: int = 0, gpu: int | None = None, check_neighbors: bool = True
+    ) -> None:
         super().__init__()
+        # NCCL waits forever on a receive nobody sends: check each exchange's pattern over MPI first.
+        self.check_neighbors = check_neighbors
         import cupy
         from cupy.cuda import nccl
 
@@ -228,19 +318,25 @@ class NCCLEngine(Engine):
 
     def _handle(self, result: torch.Tensor, like: list[torch.Tensor], single: bool, to_cpu: bool) -> Handle:
         """Mark the end of what was enqueued; the handle hands ``result`` back shaped like ``like``."""
+        return self._deliver([result], lambda outs: restore(outs[0], like, single), to_cpu)
+
+    def _deliver(self, results: list[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], to_cpu: bool) -> Handle:
+        """Record the end of the enqueued work; ``wait`` passes the results (on the caller's device) to ``build``."""
         event = torch.cuda.Event()
         event.record(self.stream)
 
-        def finish() -> TensorOrList:
+        def finish() -> Any:
             event.synchronize()
             caller = torch.cuda.current_stream(self.device)
             caller.wait_event(event)
-            out = result
-            if to_cpu:
-                out = out.cpu()
-            else:
-                out.record_stream(caller)
-            return restore(out, like, single)
+            outs = []
+            for out in results:
+                if to_cpu:
+                    out = out.cpu()
+                else:  # used on the caller's stream from now on
+                    out.record_stream(caller)
+                outs.append(out)
+            return build(outs)
 
         return Handle(finish, event.query)
 
@@ -296,6 +392,35 @@ class NCCLEngine(Engine):
             )
             return self._event_handle()
 
+    def iallgather(self, tensors: TensorOrList) -> Handle:
+        """Every rank's tensor(s) concatenated along the first dimension in rank order (first dims may differ).
+
+        Shapes are exchanged over MPI first; NCCL then gathers one fused,
+        padded buffer per rank.
+        """
+        tensors, single = as_list(tensors)
+        mine = (tuple(tuple(t.shape) for t in tensors), str(tensors[0].dtype))
+        everyone = self.comm.allgather(mine)
+        check_gather_shapes("allgather", everyone)
+        counts = [sum(_numel(s) for s in shapes) for shapes, _ in everyone]
+        with self._on_stream():
+            flat, to_cpu = self._stage(tensors)
+            width = max(counts)
+            send = flat
+            if flat.numel() < width:
+                send = torch.zeros(width, dtype=flat.dtype, device=self.device)
+                send[: flat.numel()] = flat
+            gathered = torch.empty((self.size, width), dtype=flat.dtype, device=self.device)
+            self._nccl.allGather(
+                as_bytes(send).data_ptr(), as_bytes(gathered).data_ptr(), width * flat.element_size(),
+                self._nccl_api.NCCL_UINT8, self._stream_ptr,
+            )
+            pieces = split_gathered(list(gathered), [shapes for shapes, _ in everyone])
+            return self._deliver(pieces, lambda outs: outs[0] if single else outs, to_cpu)
+
+    def allgather(self, tensors: TensorOrList) -> TensorOrList:
+        return self._timed_wait(self.iallgather(tensors))
+
     # neighbor exchange --------------------------------------------------
     def ineighbor_allreduce(
         self,
@@ -307,6 +432,9 @@ class NCCLEngine(Engine):
         spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
         tensors, single = as_list(tensors)
         check_float(tensors, "neighbor_allreduce")
+        if self.check_neighbors:
+            signature = (sum(t.numel() for t in tensors), str(tensors[0].dtype))
+            check_pattern(self.comm, "neighbor_allreduce", spec.dst_weights, spec.src_weights, signature)
         with self._on_stream():
             flat, to_cpu = self._stage(tensors)
             received = self._exchange(flat, spec.dst_weights, list(spec.src_weights))
@@ -321,16 +449,20 @@ class NCCLEngine(Engine):
         nbytes = flat.numel() * flat.element_size()
         uint8 = self._nccl_api.NCCL_UINT8
         payloads = [flat if w == 1.0 else flat * w for w in dst_weights.values()]
-        inbox = torch.empty((len(sources), flat.numel()), dtype=flat.dtype, device=self.device)
+        # One allocation; rows start on 16-byte boundaries so the kernel can use vector loads.
+        n = flat.numel()
+        per_16 = max(1, 16 // flat.element_size())
+        inbox = torch.empty((len(sources), -(-n // per_16) * per_16), dtype=flat.dtype, device=self.device)
+        rows = [inbox[i, :n] for i in range(len(sources))]
         self._nccl_api.groupStart()
         try:
             for dst, payload in zip(dst_weights, payloads):
                 comm.send(as_bytes(payload).data_ptr(), nbytes, uint8, dst, self._stream_ptr)
-            for row, src in enumerate(sources):
-                comm.recv(as_bytes(inbox[row]).data_ptr(), nbytes, uint8, src, self._stream_ptr)
+            for row, src in zip(rows, sources):
+                comm.recv(as_bytes(row).data_ptr(), nbytes, uint8, src, self._stream_ptr)
         finally:
             self._nccl_api.groupEnd()
-        return list(inbox)
+        return rows
 
     def _combine(
         self, flat: torch.Tensor, self_weight: float, received: list[torch.Tensor], weights: list[float]
@@ -347,6 +479,128 @@ class NCCLEngine(Engine):
             kind=kind,
         )
         return out
+
+    def ineighbor_allgather(
+        self,
+        tensors: TensorOrList,
+        src_ranks: Sequence[int] | None = None,
+        dst_ranks: Sequence[int] | None = None,
+    ) -> Handle:
+        """In-neighbors' tensor(s) concatenated along the first dimension, in ascending rank order."""
+        tensors, single = as_list(tensors)
+        if src_ranks is None or dst_ranks is None:
+            spec = self.neighbor_spec(None, None, None)
+            src_ranks = sorted(spec.src_weights) if src_ranks is None else src_ranks
+            dst_ranks = list(spec.dst_weights) if dst_ranks is None else dst_ranks
+        srcs = sorted(int(r) for r in src_ranks)
+        dsts = [int(r) for r in dst_ranks]
+        for r in srcs + dsts:
+            if not 0 <= r < self.size or r == self.rank:
+                raise ValueError(f"rank {self.rank}: bad neighbor rank {r}; allowed 0..{self.size - 1} except self")
+        # The pattern exchange also tells each receiver the shapes it will get.
+        mine = (tuple(tuple(t.shape) for t in tensors), str(tensors[0].dtype))
+        everyone = check_pattern(self.comm, "neighbor_allgather", dsts, srcs, mine, same_signature=False)
+        check_gather_shapes("neighbor_allgather", everyone)
+        with self._on_stream():
+            flat, to_cpu = self._stage(tensors)
+            uint8 = self._nccl_api.NCCL_UINT8
+            size_of = flat.element_size()
+            inbox = [
+                torch.empty(sum(_numel(s) for s in everyone[r][0]), dtype=flat.dtype, device=self.device) for r in srcs
+            ]
+            self._nccl_api.groupStart()
+            try:
+                for dst in dsts:
+                    self._nccl.send(as_bytes(flat).data_ptr(), flat.numel() * size_of, uint8, dst, self._stream_ptr)
+                for src, buf in zip(srcs, inbox):
+                    self._nccl.recv(as_bytes(buf).data_ptr(), buf.numel() * size_of, uint8, src, self._stream_ptr)
+            finally:
+                self._nccl_api.groupEnd()
+            if srcs:
+                pieces = split_gathered(inbox, [everyone[r][0] for r in srcs])
+            else:  # nobody sends here: empty tensors of the right trailing shape
+                pieces = [torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in tensors]
+            return self._deliver(pieces, lambda outs: outs[0] if single else outs, to_cpu)
+
+    def neighbor_allgather(
+        self,
+        tensors: TensorOrList,
+        src_ranks: Sequence[int] | None = None,
+        dst_ranks: Sequence[int] | None = None,
+    ) -> TensorOrList:
+        return self._timed_wait(self.ineighbor_allgather(tensors, src_ranks, dst_ranks))
+
+    # hierarchical -------------------------------------------------------
+    def _machine_communicators(self) -> tuple[Any, Any, Any]:
+        """(NCCL over this machine's ranks, NCCL over the ranks with this local rank, its MPI twin); opened once."""
+        if "local" not in self._sub:
+            local = self.comm.Split(color=self.machine, key=self.local_rank)
+            cross = self.comm.Split(color=self.local_rank, key=self.machine)
+            self._sub["local"] = self._open_communicator(local)
+            self._sub["cross"] = self._open_communicator(cross)
+            self._cross_mpi = cross
+            local.Free()
+        return self._sub["local"], self._sub["cross"], self._cross_mpi
+
+    def ihierarchical_neighbor_allreduce(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None = None,
+        src_machine_weights: Weights | None = None,
+        dst_machine_weights: DstWeights | None = None,
+    ) -> Handle:
+        """Average inside each machine, mix the machine averages among machines, spread back.
+
+        Weights are per machine (as neighbor_allreduce's are per rank). Every
+        local rank carries 1/local_size of the machine average to the same
+        local rank of the neighbor machines (reduce-scatter inside the
+        machine, exchange, fused combine, allgather inside the machine), so
+        all of a machine's links share the traffic.
+        """
+        if self_weight is None or src_machine_weights is None or dst_machine_weights is None:
+            raise ValueError("hierarchical_neighbor_allreduce needs self_weight, src_machine_weights and dst_machine_weights")
+        src = {int(k): float(v) for k, v in src_machine_weights.items()}
+        dst = normalize_dst(dst_machine_weights) or {}
+        for m in list(src) + list(dst):
+            if not 0 <= m < self.machines or m == self.machine:
+                raise ValueError(
+                    f"rank {self.rank}: bad neighbor machine {m}; allowed 0..{self.machines - 1} except own machine {self.machine}"
+                )
+        tensors, single = as_list(tensors)
+        check_float(tensors, "hierarchical_neighbor_allreduce")
+        local, cross, cross_mpi = self._machine_communicators()
+        L = self.local_size
+        if self.check_neighbors:
+            signature = (sum(t.numel() for t in tensors), str(tensors[0].dtype))
+            check_pattern(cross_mpi, "hierarchical_neighbor_allreduce (machines)", dst, src, signature, unit="machine")
+        with self._on_stream():
+            flat, to_cpu = self._stage(tensors)
+            work_dtype = torch.float32 if flat.dtype in HALF_TYPES else flat.dtype
+            chunk = -(-flat.numel() // L)
+            padded = torch.zeros(chunk * L, dtype=work_dtype, device=self.device)
+            padded[: flat.numel()] = flat
+            mine = torch.empty(chunk, dtype=work_dtype, device=self.device)
+            nccl_type = self._type(work_dtype)
+            local.reduceScatter(
+                padded.data_ptr(), mine.data_ptr(), chunk, nccl_type, self._nccl_api.NCCL_SUM, self._stream_ptr
+            )
+            mine.div_(L)  # this rank's slice of the machine average
+            received = self._exchange(mine, dst, list(src), comm=cross)
+            mixed = self._combine(mine, float(self_weight), received, list(src.values()))
+            local.allGather(mixed.data_ptr(), padded.data_ptr(), chunk, nccl_type, self._stream_ptr)
+            out = padded[: flat.numel()].to(flat.dtype)
+            return self._handle(out, tensors, single, to_cpu)
+
+    def hierarchical_neighbor_allreduce(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None = None,
+        src_machine_weights: Weights | None = None,
+        dst_machine_weights: DstWeights | None = None,
+    ) -> TensorOrList:
+        return self._timed_wait(
+            self.ihierarchical_neighbor_allreduce(tensors, self_weight, src_machine_weights, dst_machine_weights)
+        )
 
     # lifecycle ----------------------------------------------------------
     def close(self) -> None:

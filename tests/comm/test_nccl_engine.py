@@ -55,6 +55,71 @@ def test_cli_refuses_nccl_where_it_cannot_run(bfexp):
     assert not (run / "logs").exists() and not (run / "metrics.jsonl").exists(), "no rank may start"
 
 
+# ------------------------------------------------------------------ host-side checks (no GPU needed)
+def test_pattern_problem_names_the_first_broken_edge():
+    from bfexp.comm.nccl import pattern_problem
+
+    ring_sends = [[1], [2], [0]]
+    ring_expects = [[2], [0], [1]]
+    assert pattern_problem(ring_sends, ring_expects) is None
+    # rank 2 expects from 1, but 1 sends nowhere
+    assert pattern_problem([[1], [], [0]], ring_expects) == (
+        "rank 2 expects a message from rank 1, but rank 1 does not send to rank 2"
+    )
+    # rank 0 sends to 2 as well, which does not expect it
+    assert pattern_problem([[1, 2], [2], [0]], ring_expects) == (
+        "rank 0 sends to rank 2, but rank 2 does not expect a message from rank 0"
+    )
+    sizes = [(6, "torch.float32"), (6, "torch.float32"), (5, "torch.float32")]
+    assert pattern_problem(ring_sends, ring_expects, sizes, unit="machine") == (
+        "machine 2 sends (5, 'torch.float32') to machine 0, which expects (6, 'torch.float32')"
+    )
+
+
+def test_gathered_rows_are_cut_and_concatenated_per_tensor():
+    from bfexp.comm.engine import CommError
+    from bfexp.comm.nccl import check_gather_shapes, split_gathered
+
+    # Two sources, two tensors each: (1, 2) + (3,) from the first, (2, 2) + (1,) from the second (padded rows).
+    rows = [torch.tensor([1.0, 2, 3, 4, 5, 0, 0]), torch.tensor([6.0, 7, 8, 9, 10, 0, 0])]
+    shapes = [((1, 2), (3,)), ((2, 2), (1,))]
+    first, second = split_gathered(rows, shapes)
+    assert first.tolist() == [[1, 2], [6, 7], [8, 9]]
+    assert second.tolist() == [3, 4, 5, 10]
+    check_gather_shapes("allgather", [(((1, 2),), "torch.float32"), (((4, 2),), "torch.float32")])
+    with pytest.raises(CommError, match=r"tensor 0 is \(1, 3\) on rank 1"):
+        check_gather_shapes("allgather", [(((1, 2),), "torch.float32"), (((1, 3),), "torch.float32")])
+    with pytest.raises(CommError, match="rank 1 gives 1 x torch.float64"):
+        check_gather_shapes("allgather", [(((1, 2),), "torch.float32"), (((1, 2),), "torch.float64")])
+
+
+MISMATCH = """
+from mpi4py import MPI
+from bfexp.comm.engine import CommError
+from bfexp.comm.nccl import check_pattern
+comm = MPI.COMM_WORLD
+r, n = comm.Get_rank(), comm.Get_size()
+dsts = [(r + 1) % n]
+srcs = [(r - 1) % n]
+out = {"ok": check_pattern(comm, "neighbor_allreduce", dsts, srcs, (4, "f32"))}
+if r == 1:
+    dsts = []  # rank 2 still expects from rank 1: NCCL would hang, the check must not
+try:
+    check_pattern(comm, "neighbor_allreduce", dsts, srcs, (4, "f32"))
+    out["error"] = None
+except CommError as exc:
+    out["error"] = str(exc)
+emit(out)
+"""
+
+
+def test_a_mismatched_pattern_raises_on_every_rank(tmp_path):
+    out = run_ranks(3, MISMATCH, tmp_path)
+    for o in out:
+        assert o["ok"] == [[4, "f32"]] * 3
+        assert o["error"] == "neighbor_allreduce: rank 2 expects a message from rank 1, but rank 1 does not send to rank 2"
+
+
 # ------------------------------------------------------------------ on GPUs
 ONE_RANK = """
 import torch
@@ -77,6 +142,9 @@ r["cpu_avg"] = avg.tolist()
 r["bcast"] = e.broadcast(torch.full((3,), 7, dtype=torch.int64, device=e.device)).tolist()
 for dtype in (torch.float16, torch.bfloat16, torch.float64):
     r[str(dtype)] = e.allreduce(torch.ones(5, dtype=dtype, device=e.device), op="avg").tolist()
+r["gather"] = e.allgather(x.reshape(3, 2)).tolist()
+r["no_sources"] = list(e.neighbor_allgather(x.reshape(3, 2), [], []).shape)
+r["hier"] = e.hierarchical_neighbor_allreduce(x.cpu(), 1.0, {}, []).tolist()
 h = e.ineighbor_allreduce(x, 1.0, {}, [])
 r["handle"] = h.wait().tolist() == x.tolist() and h.done()
 e.barrier()
@@ -96,6 +164,9 @@ def test_one_rank_ops_on_the_gpu(tmp_path):
     np.testing.assert_allclose(r["sum"], np.arange(1, 7), rtol=1e-6)
     assert r["cpu_avg"] == [1.0, 2.0]
     assert r["bcast"] == [7, 7, 7]
+    assert r["gather"] == np.arange(1, 7).reshape(3, 2).tolist()
+    assert r["no_sources"] == [0, 2]
+    assert r["hier"] == list(range(1, 7))
     for dtype in ("torch.float16", "torch.bfloat16", "torch.float64"):
         assert r[dtype] == [1.0] * 5
 
@@ -104,9 +175,11 @@ MANY_RANKS = """
 import torch
 from bfexp.comm.nccl import NCCLEngine
 from bfexp.topology import Exp2
-e = NCCLEngine()
+from mpi4py import MPI
+n = MPI.COMM_WORLD.Get_size()
+e = NCCLEngine(ranks_per_machine=2 if n >= 4 else 1)
 e.set_topology(Exp2(e.size))
-r, n = e.rank, e.size
+r = e.rank
 x = torch.arange(6, dtype=torch.float64, device=e.device) * (r + 1) + r ** 2
 one_round = e.neighbor_allreduce(x)
 lst = [x[:2].clone().reshape(2, 1), x[2:].clone()]
@@ -118,10 +191,18 @@ handles = [e.ineighbor_allreduce(x * (i + 1)) for i in range(3)]  # several in f
 many = [h.wait().tolist() for h in handles]
 total = e.allreduce(x.cpu(), op="sum")
 b = e.broadcast(torch.full((3,), float(r), device=e.device), root=n - 1)
+# first dimensions differ across ranks
+rows = torch.full((r + 1, 2), float(r), dtype=torch.float64, device=e.device)
+gathered = e.allgather([rows, x[:1]])
+nbr = e.neighbor_allgather(x.reshape(2, 3))
+M, m = e.machines, e.machine
+hier = e.hierarchical_neighbor_allreduce(x, 0.6, {(m - 1) % M: 0.4}, [(m + 1) % M]) if M > 1 else None
 e.barrier()
 e.close()
 emit(dict(x=x.tolist(), one_round=one_round.tolist(), fused=fused.tolist(), push=push.tolist(),
-          many=many, total=total.tolist(), bcast=b.tolist()))
+          many=many, total=total.tolist(), bcast=b.tolist(), rows=gathered[0].tolist(), firsts=gathered[1].tolist(),
+          nbr=nbr.tolist(), srcs=sorted(e.topology.weights(r, 0).src_weights), machines=M, machine=m,
+          hier=None if hier is None else hier.tolist()))
 """
 
 
@@ -146,6 +227,16 @@ def test_neighbor_allreduce_on_gpus_equals_W_times_X(tmp_path):
     for o in out:
         np.testing.assert_allclose(o["total"], X.sum(0), rtol=1e-12)
         assert o["bcast"] == [float(n - 1)] * 3
+        assert o["rows"] == [[float(q)] * 2 for q in range(n) for _ in range(q + 1)]
+        assert o["firsts"] == X[:, 0].tolist()
+        np.testing.assert_allclose(o["nbr"], np.concatenate([X[q].reshape(2, 3) for q in o["srcs"]]))
+    M = out[0]["machines"]
+    A = np.array([X[[i for i in range(n) if out[i]["machine"] == m]].mean(0) for m in range(M)])
+    Wm = 0.6 * np.eye(M)
+    for m in range(M):
+        Wm[m, (m - 1) % M] += 0.4
+    for i, o in enumerate(out):
+        np.testing.assert_allclose(o["hier"], (Wm @ A)[o["machine"]], rtol=1e-12)
 
 
 @needs_gpu
