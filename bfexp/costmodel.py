@@ -1,0 +1,262 @@
+"""An alpha-beta-gamma cost model of one training step on a described cluster.
+
+A message of ``b`` bytes over a link costs ``alpha + b / bandwidth`` (Hockney's
+model); combining ``b`` bytes locally (a reduction, a weighted add) costs
+``b / reduce_rate`` (the gamma term of Thakur, Rabenseifner and Gropp,
+"Optimization of collective communication operations in MPICH", 2005).
+
+A cluster is ``machines x ranks_per_machine`` ranks, rank r on machine
+``r // ranks_per_machine`` (the Engine's convention). Links inside a machine
+(NVLink, shared memory) and between machines (a network card) differ; when a
+machine's ranks share one network card, their cross-machine bytes queue on
+it (network-card contention). When ranks are CPU processes that outnumber the
+cores they share (``shares_cores``), every copy and reduction slows down by
+ranks / cores.
+
+Step time = compute + the communication that backward does not hide
+(``overlap``), averaged over a local-SGD period (communication every
+``period`` steps). Every formula is written so a test can check it by hand;
+the model is deliberately simple: no congestion inside switches, no
+protocol switch points, transfers of one step run concurrently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+# How each algorithm communicates per communicating step: the collective,
+# how many model-sized vectors it moves, and extra scalars per message
+# (push-sum's weight travels with the data). Unknown names are modeled as
+# one neighbor exchange of the model (DSGD), the common case.
+ALGORITHM_PATTERNS: dict[str, tuple[str, int, int]] = {
+    "allreduce": ("allreduce", 1, 0),
+    "ddp": ("allreduce", 1, 0),
+    "local_sgd": ("allreduce", 1, 0),
+    "dsgd": ("neighbor", 1, 0),
+    "exact_diffusion": ("neighbor", 1, 0),
+    "gradient_tracking": ("neighbor", 2, 0),
+    "push_sum": ("neighbor", 1, 1),
+    "push_diging": ("neighbor", 2, 1),
+}
+DEFAULT_PATTERN = ("neighbor", 1, 0)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One hop: fixed cost per message and bytes per second."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def time(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where ranks run and how fast they talk and reduce.
+
+    ranks_per_machine: ranks on one machine (0: every rank on one machine).
+    nic_shared: a machine's ranks share one network card's ``inter`` bandwidth;
+        False when each rank has its own card (e.g. 8 x 400 Gb/s per 8-GPU machine).
+    reduce_bytes_per_s: how fast a rank combines received data into its own.
+    cores: CPU cores the ranks of one machine share (0: ranks do not share
+        processors, e.g. one GPU each). Copies and reductions slow down by
+        ranks_on_machine / cores when ranks outnumber cores.
+    allreduce: "ring" (one flat ring over all ranks) or "hierarchical"
+        (reduce-scatter in each machine, ring across machines, all-gather).
+    """
+
+    name: str
+    ranks_per_machine: int
+    intra: Link
+    inter: Link
+    nic_shared: bool = True
+    reduce_bytes_per_s: float = math.inf
+    cores: int = 0
+    allreduce: str = "ring"
+
+    def local_size(self, n: int) -> int:
+        rpm = self.ranks_per_machine
+        if rpm <= 0 or rpm >= n:
+            return n
+        if n % rpm:
+            raise ValueError(f"ranks={n} is not a multiple of ranks_per_machine={rpm}")
+        return rpm
+
+    def machines(self, n: int) -> int:
+        return n // self.local_size(n)
+
+    def machine_of(self, rank: int, n: int) -> int:
+        return rank // self.local_size(n)
+
+    def contention(self, n: int) -> float:
+        """Slow-down of copies and reductions from ranks sharing too few cores."""
+        if self.cores <= 0:
+            return 1.0
+        return max(1.0, self.local_size(n) / self.cores)
+
+    def reduce_s(self, nbytes: float, n: int) -> float:
+        return self.contention(n) * nbytes / self.reduce_bytes_per_s
+
+    def intra_s(self, nbytes: float, n: int, messages: int = 1) -> float:
+        return messages * self.intra.latency_s + self.contention(n) * nbytes / self.intra.bandwidth_bytes_per_s
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def ring_allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
+    """Flat ring: reduce-scatter then all-gather, 2(n-1) steps of nbytes/n each.
+
+    Ranks are ordered by machine, so in every step each machine sends one
+    chunk out and receives one in: a step costs the slower of the inside and
+    the cross-machine hop. Each rank reduces (n-1)/n of the vector.
+    """
+    if n <= 1:
+        return 0.0
+    chunk = nbytes / n
+    step = cluster.intra_s(chunk, n)
+    if cluster.machines(n) > 1:
+        step = max(step, cluster.inter.time(chunk))
+    return 2 * (n - 1) * step + cluster.reduce_s((n - 1) / n * nbytes, n)
+
+
+def hierarchical_allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
+    """Reduce-scatter inside each machine (L ranks), ring allreduce of each 1/L
+    shard across the m machines (L rings at once, which share the machine's
+    card when nic_shared), all-gather inside each machine."""
+    if n <= 1:
+        return 0.0
+    local, machines = cluster.local_size(n), cluster.machines(n)
+    if machines == 1 or local == 1:
+        return ring_allreduce_s(cluster, n, nbytes)
+    shard = nbytes / local
+    inside = 2 * (local - 1) * cluster.intra_s(shard, n)
+    rings = local if cluster.nic_shared else 1  # concurrent flows on one card
+    across = 2 * (machines - 1) * cluster.inter.time(rings * shard / machines)
+    reduce = cluster.reduce_s((local - 1) / local * nbytes + (machines - 1) / machines * shard, n)
+    return inside + across + reduce
+
+
+def allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
+    """Allreduce of ``nbytes`` with the cluster's allreduce algorithm."""
+    if cluster.allreduce == "hierarchical":
+        return hierarchical_allreduce_s(cluster, n, nbytes)
+    if cluster.allreduce == "ring":
+        return ring_allreduce_s(cluster, n, nbytes)
+    raise ValueError(f"scaling.allreduce={cluster.allreduce!r}; allowed: ring, hierarchical")
+
+
+# ---------------------------------------------------------------- neighbor exchange
+
+
+def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbytes: float) -> float:
+    """One neighbor exchange: every (sender, receiver) edge carries ``nbytes``.
+
+    Per rank, sends and receives run concurrently; a rank's busiest direction
+    sets its transfer time on each link kind (inside the machine, across
+    machines), and the two link kinds run in parallel. Across machines, a
+    shared card carries all of its machine's cross-machine bytes. The rank
+    then combines what it received with its own value ((in-degree + 1)
+    vectors). The exchange ends when the slowest rank is done.
+    """
+    local = cluster.local_size(n)
+    intra_out = [0.0] * n
+    intra_in = [0.0] * n
+    inter_out = [0.0] * n
+    inter_in = [0.0] * n
+    in_degree = [0] * n
+    for src, dst in edges:
+        in_degree[dst] += 1
+        if src // local == dst // local:
+            intra_out[src] += nbytes
+            intra_in[dst] += nbytes
+        else:
+            inter_out[src] += nbytes
+            inter_in[dst] += nbytes
+    if cluster.nic_shared:
+        machines = n // local
+        card_out = [sum(inter_out[m * local : (m + 1) * local]) for m in range(machines)]
+        card_in = [sum(inter_in[m * local : (m + 1) * local]) for m in range(machines)]
+    slowest = 0.0
+    for r in range(n):
+        inside = max(intra_out[r], intra_in[r])
+        t_inside = cluster.intra_s(inside, n) if inside else 0.0
+        if cluster.nic_shared:
+            m = r // local
+            across = max(card_out[m], card_in[m]) if (inter_out[r] or inter_in[r]) else 0.0
+        else:
+            across = max(inter_out[r], inter_in[r])
+        t_across = cluster.inter.time(across) if across else 0.0
+        combine = cluster.reduce_s((in_degree[r] + 1) * nbytes, n) if in_degree[r] else 0.0
+        slowest = max(slowest, max(t_inside, t_across) + combine)
+    return slowest
+
+
+def topology_edges(topology: Any, t: int) -> list[tuple[int, int]]:
+    """(sender, receiver) pairs of W(t), read rank by rank from ``weights(rank, t)``."""
+    edges = []
+    for rank in range(topology.size):
+        for src in topology.weights(rank, t).src_weights:
+            edges.append((int(src), rank))
+    return edges
+
+
+def neighbor_exchange_s(cluster: Cluster, topology: Any, nbytes: float) -> float:
+    """Mean exchange time over one period of a (possibly dynamic) topology."""
+    period = max(1, int(getattr(topology, "period", 1)))
+    n = topology.size
+    return sum(exchange_s(cluster, n, topology_edges(topology, t), nbytes) for t in range(period)) / period
+
+
+# ---------------------------------------------------------------- one step
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Per-rank mean step time split into compute and the communication left exposed."""
+
+    compute_s: float
+    comm_s: float  # one communicating step's communication, hidden or not
+    exposed_comm_s: float  # mean per step, after overlap and the local-SGD period
+    step_s: float
+
+    def throughput(self, ranks: int, batch: int) -> float:
+        return ranks * batch / self.step_s if self.step_s > 0 else math.inf
+
+
+def communication_s(
+    cluster: Cluster, algorithm: str, n: int, param_bytes: float, topology: Any = None, element_bytes: int = 4
+) -> float:
+    """Communication of one communicating step of ``algorithm``."""
+    if n <= 1:
+        return 0.0
+    kind, vectors, scalars = ALGORITHM_PATTERNS.get(algorithm, DEFAULT_PATTERN)
+    nbytes = vectors * param_bytes + scalars * element_bytes
+    if kind == "allreduce":
+        return allreduce_s(cluster, n, nbytes)
+    if topology is None:
+        raise ValueError(f"algorithm={algorithm} exchanges with neighbors; the model needs its topology")
+    return neighbor_exchange_s(cluster, topology, nbytes)
+
+
+def step_estimate(
+    compute_s: float,
+    comm_s: float,
+    *,
+    backward_fraction: float = 2 / 3,
+    overlap: bool = True,
+    period: int = 1,
+) -> StepEstimate:
+    """Compute plus the communication backward does not hide, every ``period`` steps.
+
+    With overlap, communication runs during the backward pass
+    (``backward_fraction`` of compute) and only what sticks out past it
+    costs time.
+    """
+    hidden = backward_fraction * compute_s if overlap else 0.0
+    exposed = max(0.0, comm_s - hidden) / max(1, period)
+    return StepEstimate(compute_s, comm_s, exposed, compute_s + exposed)

@@ -1,0 +1,130 @@
+"""The cost model against alpha-beta(-gamma) formulas worked out by hand for small cases.
+
+Each expected value is written out from the textbook formula with the
+numbers of the case, not computed by the model's own helpers.
+"""
+
+import math
+
+import pytest
+
+from bfexp import costmodel
+from bfexp.costmodel import Cluster, Link
+from bfexp.topology import Exp2, InnerOuterExp2, OnePeerExp2
+
+M = 1_000_000.0  # bytes per message
+A_IN, B_IN = 1e-5, 1e10  # inside a machine: 10 us, 10 GB/s
+A_OUT, B_OUT = 1e-4, 1e9  # across machines: 100 us, 1 GB/s
+R = 2e10  # combine: 20 GB/s
+
+
+def make(rpm=0, nic_shared=True, reduce=math.inf, cores=0, allreduce="ring"):
+    return Cluster("test", rpm, Link(A_IN, B_IN), Link(A_OUT, B_OUT), nic_shared, reduce, cores, allreduce)
+
+
+def close(a, b):
+    return a == pytest.approx(b, rel=1e-12)
+
+
+def test_ring_allreduce_inside_one_machine():
+    # 2(n-1) steps of (alpha + (M/n)/B), plus reducing (n-1)/n of M
+    n = 4
+    expected = 6 * (1e-5 + 250_000 / 1e10) + 0.75 * M / R
+    assert close(costmodel.ring_allreduce_s(make(reduce=R), n, M), expected)
+    assert costmodel.ring_allreduce_s(make(), 1, M) == 0.0
+
+
+def test_ring_allreduce_across_machines_is_paced_by_the_slower_hop():
+    # 4 ranks on 2 machines: every step has one cross-machine chunk per card
+    expected = 6 * max(1e-5 + 250_000 / 1e10, 1e-4 + 250_000 / 1e9)
+    assert close(costmodel.ring_allreduce_s(make(rpm=2), 4, M), expected)
+
+
+def test_hierarchical_allreduce_shared_and_own_cards():
+    # 8 ranks = 2 machines x 4. Inside: reduce-scatter + all-gather, 2(L-1) steps of M/L.
+    # Across: 4 rings of M/4 each over 2 machines, 2(m-1) = 2 steps of (M/4)/2 per ring.
+    inside = 6 * (1e-5 + 250_000 / 1e10)
+    shared = 2 * (1e-4 + 4 * 125_000 / 1e9)  # the 4 rings share one card
+    own = 2 * (1e-4 + 125_000 / 1e9)  # one card per rank
+    reduce = (0.75 * M + 0.5 * 250_000) / R
+    assert close(costmodel.hierarchical_allreduce_s(make(rpm=4, reduce=R), 8, M), inside + shared + reduce)
+    assert close(costmodel.hierarchical_allreduce_s(make(rpm=4, nic_shared=False, reduce=R), 8, M), inside + own + reduce)
+    # one machine: the same as a flat ring
+    assert close(costmodel.hierarchical_allreduce_s(make(reduce=R), 4, M), costmodel.ring_allreduce_s(make(reduce=R), 4, M))
+    assert close(costmodel.allreduce_s(make(rpm=4, allreduce="hierarchical"), 8, M), inside + shared)
+
+
+def test_one_peer_exp2_with_card_contention():
+    # 4 ranks, 2 per machine. t=0 (distance 1): 0->1 and 2->3 inside, 1->2 and 3->0 across:
+    # each card carries one message out and one in. t=1 (distance 2): every message crosses,
+    # so each shared card carries two out and two in. Everyone then combines 2 vectors.
+    topo = OnePeerExp2(4)
+    combine = 2 * M / R
+    t0 = max(1e-5 + M / 1e10, 1e-4 + M / 1e9) + combine
+    t1_shared = 1e-4 + 2 * M / 1e9 + combine
+    t1_own = 1e-4 + M / 1e9 + combine
+    c = make(rpm=2, reduce=R)
+    assert close(costmodel.exchange_s(c, 4, costmodel.topology_edges(topo, 0), M), t0)
+    assert close(costmodel.exchange_s(c, 4, costmodel.topology_edges(topo, 1), M), t1_shared)
+    assert close(costmodel.neighbor_exchange_s(c, topo, M), (t0 + t1_shared) / 2)
+    own = make(rpm=2, nic_shared=False, reduce=R)
+    assert close(costmodel.neighbor_exchange_s(own, topo, M), (t0 + t1_own) / 2)
+
+
+def test_multi_peer_static_exp2_on_one_machine():
+    # exp2 over 8 ranks: 3 out-neighbors and 3 in-neighbors each; 4 vectors to combine
+    expected = 1e-5 + 3 * M / 1e10 + 4 * M / R
+    assert close(costmodel.neighbor_exchange_s(make(reduce=R), Exp2(8), M), expected)
+
+
+def test_inner_outer_exp2_sends_one_message_per_machine_across():
+    # 8 ranks, 4 per machine: each step one rank per machine crosses (one message out
+    # and one in per card), the other three exchange inside; every rank combines 2.
+    topo = InnerOuterExp2(8, ranks_per_machine=4)
+    expected = max(1e-5 + M / 1e10, 1e-4 + M / 1e9) + 2 * M / R
+    c = make(rpm=4, reduce=R)
+    for t in range(topo.period):
+        assert close(costmodel.exchange_s(c, 8, costmodel.topology_edges(topo, t), M), expected)
+    # one-peer exp2 on the same machines at distance 4 sends all 4 ranks' models through each card
+    worst = costmodel.exchange_s(c, 8, costmodel.topology_edges(OnePeerExp2(8), 2), M)
+    assert close(worst, 1e-4 + 4 * M / 1e9 + 2 * M / R)
+
+
+def test_algorithm_patterns():
+    c = make(reduce=R)
+    topo = OnePeerExp2(4)
+    one = costmodel.neighbor_exchange_s(c, topo, M)
+    assert close(costmodel.communication_s(c, "dsgd", 4, M, topo), one)
+    assert close(costmodel.communication_s(c, "exact_diffusion", 4, M, topo), one)
+    # gradient tracking moves x and y: two model-sized vectors per message
+    assert close(costmodel.communication_s(c, "gradient_tracking", 4, M, topo), costmodel.neighbor_exchange_s(c, topo, 2 * M))
+    # push-sum's weight travels with the data: one more element
+    assert close(costmodel.communication_s(c, "push_sum", 4, M, topo, 4), costmodel.neighbor_exchange_s(c, topo, M + 4))
+    assert close(costmodel.communication_s(c, "allreduce", 4, M), costmodel.ring_allreduce_s(c, 4, M))
+    assert costmodel.communication_s(c, "dsgd", 1, M, OnePeerExp2(1)) == 0.0
+
+
+def test_overlap_and_local_sgd_period():
+    # compute 90 ms, backward = 2/3 of it = 60 ms hides that much communication
+    est = costmodel.step_estimate(0.09, 0.1, backward_fraction=2 / 3, overlap=True, period=1)
+    assert close(est.exposed_comm_s, 0.04) and close(est.step_s, 0.13)
+    assert close(costmodel.step_estimate(0.09, 0.1, backward_fraction=2 / 3, overlap=False).step_s, 0.19)
+    # communicating every 4th step spreads the exposed part over 4 steps
+    assert close(costmodel.step_estimate(0.09, 0.1, backward_fraction=2 / 3, overlap=True, period=4).step_s, 0.09 + 0.01)
+    assert close(costmodel.step_estimate(0.09, 0.05, backward_fraction=2 / 3).step_s, 0.09)  # fully hidden
+    assert close(est.throughput(8, 32), 8 * 32 / 0.13)
+
+
+def test_ranks_sharing_cores_slow_copies_and_reductions():
+    # 4 ranks on 2 cores: bandwidth and reduce terms twice as slow, latency unchanged
+    n = 4
+    expected = 6 * (1e-5 + 2 * 250_000 / 1e10) + 2 * 0.75 * M / R
+    assert close(costmodel.ring_allreduce_s(make(reduce=R, cores=2), n, M), expected)
+    assert close(costmodel.ring_allreduce_s(make(reduce=R, cores=8), n, M), costmodel.ring_allreduce_s(make(reduce=R), n, M))
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="ranks=12 is not a multiple"):
+        make(rpm=8).local_size(12)
+    with pytest.raises(ValueError, match="allowed: ring, hierarchical"):
+        costmodel.allreduce_s(make(allreduce="tree"), 4, M)
