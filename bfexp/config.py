@@ -230,6 +230,25 @@ class NCCLEngineConfig(EngineConfig):
     mpiexec_args: List[str] = field(default_factory=list)
 
 
+@dataclass
+class ThreadsEngineConfig(EngineConfig):
+    """Virtual ranks: every rank is a thread of the driver process; tensors move in memory."""
+
+    name: str = "threads"
+
+
+@dataclass
+class AutoEngineConfig(EngineConfig):
+    """Chooses per job: nccl when every rank has its own GPU; else mpi while ranks fit
+    the processor slots times slots_factor; else threads (printed, and kept in summary.json)."""
+
+    name: str = "auto"
+    # MPI ranks per processor slot (core) before auto switches to threads.
+    slots_factor: float = 4.0
+    # Passed to mpiexec when mpi or nccl is chosen.
+    mpiexec_args: List[str] = field(default_factory=list)
+
+
 # ------------------------------------------------------------------ scaling
 @dataclass
 class ScalingConfig:
@@ -315,7 +334,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "model": {"logreg": LogRegConfig, "mlp": MLPConfig, "cnn": CNNConfig},
     "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig, "mnist": MNISTConfig, "cifar10": CIFAR10Config},
-    "engine": {"mpi": MPIEngineConfig, "nccl": NCCLEngineConfig},
+    "engine": {"mpi": MPIEngineConfig, "nccl": NCCLEngineConfig, "threads": ThreadsEngineConfig, "auto": AutoEngineConfig},
     "scaling": {"local": LocalScalingConfig},
     "logger": {"console": ConsoleLoggerConfig},
 }
@@ -393,6 +412,9 @@ def validate(cfg: Any) -> None:
         cfg.algorithm.communication_period >= 1,
         f"algorithm.communication_period={cfg.algorithm.communication_period}; allowed: an integer >= 1",
     )
+    if cfg.engine.name == "auto":
+        factor = cfg.engine.slots_factor
+        _require(factor > 0, f"engine.slots_factor={factor}; allowed: a number > 0")
     rpm = cfg.engine.ranks_per_machine
     _require(rpm >= 0, f"engine.ranks_per_machine={rpm}; allowed: 0 (one machine) or >= 1")
     if rpm:

@@ -244,6 +244,74 @@ def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None
     return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started)
 
 
+def intra_op_threads(ranks: int) -> int:
+    """torch threads per rank: R ranks each using every core thrash the machine."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+
+def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
+    """Run one job as virtual ranks: threads of this process, each running the worker's `train`.
+
+    Same files and same status rules as MPI: rank 0 writes metrics.jsonl (followed
+    here), a raising rank records errors/rank<N>.json and aborts the others, and
+    SIGINT/SIGTERM or timeout_s abort every rank thread at its next engine call.
+    """
+    import torch
+
+    from bfexp.comm.threads import RankAborted, ThreadWorld, routed_output
+    from bfexp.worker import record_failure, train
+
+    run_dir = Path(run_dir)
+    (run_dir / results.LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    write_job_config(cfg, run_dir)
+    tail = results.JsonlTail(run_dir / results.METRICS)
+    world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine)
+
+    def rank_main(engine: Any) -> dict:
+        # Every rank reads the config the driver wrote, exactly as an MPI rank does.
+        return train(OmegaConf.load(run_dir / results.CONFIG), engine, run_dir)
+
+    def on_error(rank: int, exc: BaseException) -> None:
+        if not isinstance(exc, RankAborted):  # the others only follow the failed rank down
+            record_failure(run_dir, rank, exc)
+
+    def follow() -> None:
+        for record in tail.read_new():
+            if on_record:
+                on_record(record)
+
+    started = time.monotonic()
+    reason: str | None = None
+    failure_seen_at: float | None = None
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(intra_op_threads(cfg.ranks))  # process-wide: set once, here
+    try:
+        with _Stop() as stop, routed_output(run_dir / results.LOGS_DIR):
+            world.start(rank_main, on_error)
+            while not world.join(0.1):
+                follow()
+                if stop.signal is not None:
+                    reason = f"interrupted by {signal.Signals(stop.signal).name}"
+                elif cfg.timeout_s and time.monotonic() - started > cfg.timeout_s:
+                    reason = f"timed out after timeout_s={cfg.timeout_s:g} s"
+                elif world.failed:
+                    failure_seen_at = failure_seen_at or time.monotonic()
+                    if time.monotonic() - failure_seen_at > FAILURE_GRACE_S:
+                        break  # some rank is stuck outside the engine; report without it
+                if reason:
+                    world.abort(RankAborted(reason))
+                    world.join(TERMINATE_GRACE_S)
+                    break
+    finally:
+        torch.set_num_threads(saved_threads)
+    follow()
+    stuck = world.alive()
+    if stuck and reason is None and not world.errors:
+        reason = f"rank threads {stuck[:8]} did not finish"
+    returncode = 1 if world.errors or stuck else 0
+    return finish(cfg, run_dir, returncode, reason, time.monotonic() - started)
+
+
 def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, wall_s: float) -> JobResult:
     """Decide the job's status from what the ranks left behind."""
     errors = rank_errors(run_dir)
@@ -273,9 +341,67 @@ def check_engine(cfg: Any) -> None:
             raise LaunchError(f"engine=nccl cannot run here: {reason}")
 
 
+def processor_slots() -> int:
+    """Processors this process may run on (what mpiexec would count as slots here)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def choose_engine(cfg: Any) -> tuple[str, str]:
+    """engine=auto: (engine, why). nccl when every rank has its own GPU; else mpi
+    while ranks <= processor slots x slots_factor; else threads."""
+    import importlib.util
+
+    ranks, engine = cfg.ranks, cfg.engine
+    gpu_note = ""
+    if importlib.util.find_spec("cupy") is not None:  # no CuPy: no GPU probe, no torch import here
+        from bfexp.comm.nccl import nccl_available
+
+        ok, why = nccl_available(ranks, engine.ranks_per_machine or None)
+        if ok:
+            return "nccl", f"each of the {ranks} ranks has its own GPU"
+        gpu_note = f"; not nccl: {why}"
+    slots, factor = processor_slots(), float(engine.slots_factor)
+    limit = f"{slots} processor slots x engine.slots_factor={factor:g} = {slots * factor:g}"
+    if ranks <= slots * factor:
+        return "mpi", f"ranks={ranks} fit {limit}{gpu_note}"
+    return "threads", f"ranks={ranks} exceed {limit}{gpu_note}"
+
+
+def with_engine(cfg: Any, name: str) -> Any:
+    """A copy of cfg running engine ``name``: its schema's defaults plus the settings both share."""
+    from omegaconf import open_dict
+
+    from bfexp.config import SCHEMAS
+
+    engine = OmegaConf.structured(SCHEMAS["engine"][name])
+    for key in engine:
+        if key != "name" and key in cfg.engine:
+            engine[key] = cfg.engine[key]
+    out = cfg.copy()
+    with open_dict(out):
+        out.engine = engine
+    return out
+
+
 def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
-    """Run one job with the engine its config names."""
+    """Run one job with the engine its config names (engine=auto: the one it chooses)."""
+    choice = None
+    if cfg.engine.name == "auto":
+        name, why = choose_engine(cfg)
+        choice = f"engine=auto chose {name}: {why}"
+        print(choice, flush=True)
+        cfg = with_engine(cfg, name)
     check_engine(cfg)
     if cfg.engine.name in ("mpi", "nccl"):  # nccl: one MPI rank per GPU, MPI only bootstraps
-        return launch_mpi(cfg, run_dir, on_record)
-    raise LaunchError(f"engine={cfg.engine.name!r}; allowed: mpi, nccl")
+        result = launch_mpi(cfg, run_dir, on_record)
+    elif cfg.engine.name == "threads":
+        result = launch_threads(cfg, run_dir, on_record)
+    else:
+        raise LaunchError(f"engine={cfg.engine.name!r}; allowed: auto, mpi, nccl, threads")
+    if choice and result.summary:
+        result.summary["engine_choice"] = choice
+        results.write_json_atomic(run_dir / results.SUMMARY, result.summary)
+    return result

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,12 @@ def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
     return int(cfg.epochs) * per_epoch
 
 
-def train(cfg: Any, engine: Engine, run_dir: Path) -> dict:
-    """Train one rank's model; rank 0 writes metrics.jsonl and summary.json. Returns the summary."""
+def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], None] | None = None) -> dict:
+    """Train one rank's model; rank 0 writes metrics.jsonl and summary.json. Returns the summary.
+
+    ``inspect`` (for tests comparing engines rank by rank) gets this rank's
+    last mini-batch loss and final parameters when training ends.
+    """
     rank, size = engine.rank, engine.size
     started = time.perf_counter()
     dtype = DTYPES[cfg.dtype]
@@ -110,6 +114,8 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> dict:
             break
 
     optimizer.finish()
+    if inspect is not None:
+        inspect({"rank": rank, "loss": float(loss.detach()), "parameters": optimizer.evaluation_parameters().detach().cpu().clone()})
     step_time_s, comm_time_s = global_mean(engine, timer.mean_step_s, timer.comm_s / max(1, timer.timed_steps))
     summary = {
         "algorithm": cfg.algorithm.name,
