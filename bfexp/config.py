@@ -228,6 +228,9 @@ class NCCLEngineConfig(EngineConfig):
 
     name: str = "nccl"
     mpiexec_args: List[str] = field(default_factory=list)
+    # Share each neighbor exchange's pattern over MPI first: a mismatch raises
+    # on every rank instead of leaving NCCL waiting forever (one small allgather).
+    check_neighbors: bool = True
 
 
 @dataclass

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.engine.name == "nccl":  # one rank per GPU; NCCL's unique id travels over MPI
         from bfexp.comm.nccl import NCCLEngine
 
-        engine = NCCLEngine(ranks_per_machine=cfg.engine.ranks_per_machine)
+        engine = NCCLEngine(ranks_per_machine=cfg.engine.ranks_per_machine, check_neighbors=cfg.engine.check_neighbors)
     else:
         from bfexp.comm.mpi import MPIEngine
 

@@ -47,7 +47,9 @@ runs before any rank starts).
 
 from __future__ import annotations
 
+import abc
 import importlib.util
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -78,13 +80,18 @@ def nccl_available(ranks: int, ranks_per_machine: int | None = None) -> tuple[bo
     """
     if importlib.util.find_spec("cupy") is None:
         return False, f"no cupy: CuPy is not installed; {INSTALL_HINT}"
-    try:
-        import cupy
-        from cupy.cuda import nccl
-    except Exception as exc:  # a broken install (e.g. CuPy built for another CUDA)
-        return False, f"no cupy: importing CuPy failed ({type(exc).__name__}: {_first_line(exc)}); {INSTALL_HINT}"
+    # CuPy warns over many lines when a library is missing; the reason goes into our one line instead.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except Exception as exc:  # a broken install (e.g. CuPy built for another CUDA)
+            return False, f"no cupy: importing CuPy failed ({type(exc).__name__}: {_first_line(exc)}); {INSTALL_HINT}"
     if not getattr(nccl, "available", False):
-        return False, f"no NCCL: CuPy cannot load the NCCL library; {INSTALL_HINT} (it brings nvidia-nccl)"
+        why = next((line.strip() for w in caught for line in str(w.message).splitlines() if line.strip().startswith("Reason:")), "")
+        why = f" ({why})" if why else ""
+        return False, f"no NCCL: CuPy cannot load the NCCL library{why}; {INSTALL_HINT} (it brings nvidia-nccl)"
     try:
         gpus = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:  # no driver, or a driver older than the CUDA runtime
@@ -209,6 +216,7 @@ NCCL_TYPES = {
     torch.uint8: "NCCL_UINT8",
 }
 HALF_TYPES = (torch.float16, torch.bfloat16)
+WINDOW_PREFIXES = ("win_", "iwin_")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -269,8 +277,9 @@ class NCCLEngine(Engine):
         self.stream = torch.cuda.ExternalStream(self._cupy_stream.ptr, device=self.device)
         self._nccl = self._open_communicator(self.comm)
         self._sub: dict[str, Any] = {}  # lazily opened machine-local and cross-machine communicators
-        # Host-side partner on the same communicator: windows, pattern checks.
+        # Host-side partner on the same communicator: windows are host-staged MPI.
         self.host = MPIEngine(self.comm, ranks_per_machine)
+        self._windows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def rank(self) -> int:
@@ -602,6 +611,49 @@ class NCCLEngine(Engine):
             self.ihierarchical_neighbor_allreduce(tensors, self_weight, src_machine_weights, dst_machine_weights)
         )
 
+    # windows: host-staged MPI -------------------------------------------
+    def _to_host(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu() if value.is_cuda else value
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(self._to_host(v) for v in value)
+        return value
+
+    def _to_device(self, value: Any, device: torch.device) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(self._to_device(v, device) for v in value)
+        return value
+
+    def _host_window_call(self, op: str, args: tuple, kwargs: dict) -> Any:
+        """Run the MPI engine's window op on host copies; results and the window's own tensor come back."""
+        values = [*args, *kwargs.values()]
+        names = [v for v in values if isinstance(v, str)]
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        name = names[0] if names else None
+        host_args = tuple(self._to_host(a) for a in args)
+        host_kwargs = {k: self._to_host(v) for k, v in kwargs.items()}
+        if op == "win_create" and name is not None and tensors:
+            # Keep the host copy MPI updates in place, and the GPU tensor it mirrors.
+            self._windows[name] = (tensors[0], next(a for a in (*host_args, *host_kwargs.values()) if isinstance(a, torch.Tensor)))
+        device = self._windows[name][0].device if name in self._windows else (tensors[0].device if tensors else self.device)
+        result = getattr(self.host, op)(*host_args, **host_kwargs)
+
+        def back(value: Any) -> Any:
+            if op.endswith("win_free"):
+                self._windows.pop(name, None)
+            if name in self._windows and isinstance(value, torch.Tensor):
+                mirror, host = self._windows[name]
+                if value.data_ptr() == host.data_ptr():  # MPI updated the window's own tensor in place
+                    mirror.copy_(value)
+                    return mirror
+            return self._to_device(value, device)
+
+        if isinstance(result, Handle):
+            return Handle(lambda: back(result.wait()), result.done)
+        return back(result)
+
     # lifecycle ----------------------------------------------------------
     def close(self) -> None:
         comms = [self.__dict__.pop("_nccl", None), *self.__dict__.get("_sub", {}).values()]
@@ -611,3 +663,26 @@ class NCCLEngine(Engine):
         for c in comms:
             if c is not None:
                 c.destroy()
+
+
+def _window_method(op: str) -> Callable[..., Any]:
+    def method(self: NCCLEngine, *args: Any, **kwargs: Any) -> Any:
+        return self._host_window_call(op, args, kwargs)
+
+    method.__name__ = op
+    method.__qualname__ = f"NCCLEngine.{op}"
+    method.__doc__ = f"Host-staged MPI: ``MPIEngine.{op}`` on host copies; tensors come back to the GPU."
+    return method
+
+
+def _install_window_methods() -> None:
+    """Every window op of the MPI engine, host-staged (NCCL has no one-sided transfers)."""
+    from bfexp.comm.mpi import MPIEngine
+
+    for op in dir(MPIEngine):
+        if op.startswith(WINDOW_PREFIXES) and callable(getattr(MPIEngine, op)):
+            setattr(NCCLEngine, op, _window_method(op))
+    abc.update_abstractmethods(NCCLEngine)
+
+
+_install_window_methods()
