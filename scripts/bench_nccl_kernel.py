@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             "unfused_time_ms": unfused_ms,
             "max_abs_error": err,
         })
-        del xs, out
+        xs = out = None  # free before the next size
 
     print(f"GPU: {gpu} (CuPy {cupy.__version__}); {n} {args.dtype} elements per input; median of {args.repeats}")
     print("| inputs | kernel ms | kernel GB/s | copy GB/s | ratio | unfused ms | max abs error |")

@@ -463,6 +463,8 @@ class NCCLEngine(Engine):
         per_16 = max(1, 16 // flat.element_size())
         inbox = torch.empty((len(sources), -(-n // per_16) * per_16), dtype=flat.dtype, device=self.device)
         rows = [inbox[i, :n] for i in range(len(sources))]
+        if not dst_weights and not sources:
+            return rows
         self._nccl_api.groupStart()
         try:
             for dst, payload in zip(dst_weights, payloads):
@@ -517,14 +519,16 @@ class NCCLEngine(Engine):
             inbox = [
                 torch.empty(sum(_numel(s) for s in everyone[r][0]), dtype=flat.dtype, device=self.device) for r in srcs
             ]
-            self._nccl_api.groupStart()
+            if dsts or srcs:
+                self._nccl_api.groupStart()
             try:
                 for dst in dsts:
                     self._nccl.send(as_bytes(flat).data_ptr(), flat.numel() * size_of, uint8, dst, self._stream_ptr)
                 for src, buf in zip(srcs, inbox):
                     self._nccl.recv(as_bytes(buf).data_ptr(), buf.numel() * size_of, uint8, src, self._stream_ptr)
             finally:
-                self._nccl_api.groupEnd()
+                if dsts or srcs:
+                    self._nccl_api.groupEnd()
             if srcs:
                 pieces = split_gathered(inbox, [everyone[r][0] for r in srcs])
             else:  # nobody sends here: empty tensors of the right trailing shape
