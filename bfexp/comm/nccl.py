@@ -454,26 +454,31 @@ class NCCLEngine(Engine):
         self, flat: torch.Tensor, dst_weights: dict[int, float], sources: list[int], comm: Any = None
     ) -> list[torch.Tensor]:
         """Grouped NCCL sends (scaled per destination) and receives; on the communication stream."""
-        comm = comm or self._nccl
-        nbytes = flat.numel() * flat.element_size()
-        uint8 = self._nccl_api.NCCL_UINT8
         payloads = [flat if w == 1.0 else flat * w for w in dst_weights.values()]
         # One allocation; rows start on 16-byte boundaries so the kernel can use vector loads.
         n = flat.numel()
         per_16 = max(1, 16 // flat.element_size())
         inbox = torch.empty((len(sources), -(-n // per_16) * per_16), dtype=flat.dtype, device=self.device)
         rows = [inbox[i, :n] for i in range(len(sources))]
-        if not dst_weights and not sources:
-            return rows
+        self._send_recv(list(zip(payloads, dst_weights)), list(zip(rows, sources)), comm)
+        return rows
+
+    def _send_recv(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], comm: Any = None
+    ) -> None:
+        """Enqueue sends and receives of raw bytes as one NCCL group, so they progress together."""
+        if not sends and not recvs:
+            return
+        comm = comm or self._nccl
+        uint8 = self._nccl_api.NCCL_UINT8
         self._nccl_api.groupStart()
         try:
-            for dst, payload in zip(dst_weights, payloads):
-                comm.send(as_bytes(payload).data_ptr(), nbytes, uint8, dst, self._stream_ptr)
-            for row, src in zip(rows, sources):
-                comm.recv(as_bytes(row).data_ptr(), nbytes, uint8, src, self._stream_ptr)
+            for buf, peer in sends:
+                comm.send(as_bytes(buf).data_ptr(), buf.numel() * buf.element_size(), uint8, peer, self._stream_ptr)
+            for buf, peer in recvs:
+                comm.recv(as_bytes(buf).data_ptr(), buf.numel() * buf.element_size(), uint8, peer, self._stream_ptr)
         finally:
             self._nccl_api.groupEnd()
-        return rows
 
     def _combine(
         self, flat: torch.Tensor, self_weight: float, received: list[torch.Tensor], weights: list[float]
@@ -514,21 +519,10 @@ class NCCLEngine(Engine):
         check_gather_shapes("neighbor_allgather", everyone)
         with self._on_stream():
             flat, to_cpu = self._stage(tensors)
-            uint8 = self._nccl_api.NCCL_UINT8
-            size_of = flat.element_size()
             inbox = [
                 torch.empty(sum(_numel(s) for s in everyone[r][0]), dtype=flat.dtype, device=self.device) for r in srcs
             ]
-            if dsts or srcs:
-                self._nccl_api.groupStart()
-            try:
-                for dst in dsts:
-                    self._nccl.send(as_bytes(flat).data_ptr(), flat.numel() * size_of, uint8, dst, self._stream_ptr)
-                for src, buf in zip(srcs, inbox):
-                    self._nccl.recv(as_bytes(buf).data_ptr(), buf.numel() * size_of, uint8, src, self._stream_ptr)
-            finally:
-                if dsts or srcs:
-                    self._nccl_api.groupEnd()
+            self._send_recv([(flat, d) for d in dsts], list(zip(inbox, srcs)))
             if srcs:
                 pieces = split_gathered(inbox, [everyone[r][0] for r in srcs])
             else:  # nobody sends here: empty tensors of the right trailing shape
