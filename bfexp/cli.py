@@ -111,8 +111,12 @@ def run_job(cfg: Any) -> str:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     ident = job_identity(cfg)
     title = f"{ident['algorithm']}/{ident['topology']} x{cfg.ranks}"
-    with ConsoleProgress(cfg.steps, title, enabled=cfg.logger.get("progress", True)) as progress:
-        result = launch(cfg, run_dir, on_record=progress.update)
+    from bfexp.loggers import open_tracker
+
+    progress = ConsoleProgress(cfg.steps, title, enabled=cfg.logger.progress, epochs=cfg.epochs)
+    with progress, open_tracker(cfg, run_dir) as tracker:
+        result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)))
+        tracker.finish(result.summary)
     print_summary(result.summary, str(run_dir))
     _job_statuses.append(result.status)
     return result.status

@@ -266,16 +266,40 @@ class LocalScalingConfig(ScalingConfig):
 
 
 # ------------------------------------------------------------------ logger
+# Rank 0 always writes metrics.jsonl; a logger option says what the driver
+# does with the stream besides: show it, and/or send it to a tracker.
 @dataclass
 class LoggerConfig:
     name: str = MISSING
+    # Driver progress: a rich bar on a terminal, plain lines otherwise (CI, pipes).
+    progress: bool = True
 
 
 @dataclass
 class ConsoleLoggerConfig(LoggerConfig):
     name: str = "console"
-    # Rich progress bar when the terminal is interactive, plain lines otherwise.
-    progress: bool = True
+
+
+@dataclass
+class JsonlLoggerConfig(LoggerConfig):
+    """metrics.jsonl only: no progress display, just the summary table at the end."""
+
+    name: str = "jsonl"
+    progress: bool = False
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    """Weights & Biases from the driver: one run per job, grouped by sweep."""
+
+    name: str = "wandb"
+    project: str = "bfexp"
+    entity: Optional[str] = None
+    # null: $WANDB_MODE when the user set it, else offline (sync later with `wandb sync`).
+    mode: Optional[str] = None
+    # null: the sweep folder for a multirun, none for a single run.
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ top level
@@ -318,6 +342,8 @@ class Config:
     # Fault injection, for testing how a job fails: this rank raises at fail_step.
     fail_rank: Optional[int] = None
     fail_step: int = 1
+    # At the end of a sweep (-m), write report.csv, report.md and plots into its folder.
+    report: bool = True
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -339,7 +365,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig, "mnist": MNISTConfig, "cifar10": CIFAR10Config},
     "engine": {"mpi": MPIEngineConfig, "nccl": NCCLEngineConfig, "threads": ThreadsEngineConfig, "auto": AutoEngineConfig},
     "scaling": {"local": LocalScalingConfig},
-    "logger": {"console": ConsoleLoggerConfig},
+    "logger": {"console": ConsoleLoggerConfig, "jsonl": JsonlLoggerConfig, "wandb": WandbLoggerConfig},
 }
 
 
@@ -365,6 +391,7 @@ ALLOWED = {
     "dataset.partition": ("iid", "dirichlet", "sorted"),
     "model.activation": ("relu", "tanh", "gelu"),
     "algorithm.style": ("atc", "awc"),
+    "logger.mode": ("offline", "online", "disabled"),
 }
 
 
@@ -398,6 +425,17 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def validate_logger(logger: Any) -> None:
+    """A tracker must be importable here, or the user gets the command that installs it."""
+    if logger.name == "wandb":
+        import importlib.util
+
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            "logger=wandb needs the wandb package; install it with: pip install 'bfexp[wandb]'",
+        )
+
+
 def validate(cfg: Any) -> None:
     """Reject what cannot run, with a message that names the value and what is allowed."""
     for key, allowed in ALLOWED.items():
@@ -411,6 +449,7 @@ def validate(cfg: Any) -> None:
     _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}; allowed: an integer >= 1")
     _require(cfg.lr > 0, f"lr={cfg.lr}; allowed: a number > 0")
     _require(cfg.log_every >= 1, f"log_every={cfg.log_every}; allowed: an integer >= 1")
+    validate_logger(cfg.logger)
     _require(
         cfg.algorithm.communication_period >= 1,
         f"algorithm.communication_period={cfg.algorithm.communication_period}; allowed: an integer >= 1",

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 console = Console(stderr=False)
@@ -24,25 +24,42 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-class ConsoleProgress:
-    """A rich progress bar on a terminal; one plain line per record elsewhere (CI, pipes)."""
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60}:{seconds % 60:02d}"
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
-    def __init__(self, total_steps: int, title: str, enabled: bool = True) -> None:
-        self.total = total_steps
+
+class ConsoleProgress:
+    """A rich progress bar on a terminal; one plain line per record elsewhere (CI, pipes).
+
+    Progress is counted in steps, or in epochs when the job is given `epochs`
+    (the driver does not know the shard sizes, so it cannot count steps then).
+    """
+
+    def __init__(self, total_steps: int, title: str, enabled: bool = True, epochs: int | None = None) -> None:
+        self.epochs = epochs
+        self.total = float(epochs) if epochs else float(total_steps)
+        self.total_steps = total_steps
         self.title = title
         self.enabled = enabled
         self.interactive = enabled and console.is_terminal
         self._progress: Progress | None = None
         self._task = None
+        self._last: tuple[float, float] | None = None
 
     def __enter__(self) -> "ConsoleProgress":
         if self.interactive:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
-                MofNCompleteColumn(),
+                TaskProgressColumn(),
                 TextColumn("{task.fields[stats]}"),
                 TimeElapsedColumn(),
+                TextColumn("eta"),
                 TimeRemainingColumn(),
                 console=console,
                 transient=False,
@@ -53,15 +70,40 @@ class ConsoleProgress:
             console.print(f"{self.title}: starting ranks", highlight=False)
         return self
 
-    def update(self, record: dict) -> None:
-        stats = (
-            f"loss {_fmt(record.get('loss'))}  acc {_fmt(record.get('accuracy'), 3)}  "
+    def done(self, record: dict) -> float:
+        """How far the job is, in the unit of `total` (steps or epochs)."""
+        if self.epochs:
+            return float(record.get("epoch") or 0.0)
+        return float(record.get("step") or 0)
+
+    def eta_s(self, record: dict) -> float | None:
+        """Seconds left at the pace since the previous record (start-up excluded), from the ranks' clock."""
+        done, elapsed = self.done(record), record.get("elapsed_s")
+        if not done or elapsed is None:
+            return None
+        last, self._last = self._last, (done, elapsed)
+        if last is not None and done > last[0]:
+            pace = (elapsed - last[1]) / (done - last[0])
+        else:
+            pace = elapsed / done
+        return max(0.0, pace * (self.total - done))
+
+    def stats(self, record: dict) -> str:
+        where = f"step {record.get('step')}" + ("" if self.epochs else f"/{self.total_steps}")
+        if self.epochs:
+            where += f" (epoch {_fmt(record.get('epoch'), 3)}/{self.epochs})"
+        return (
+            f"{where}  loss {_fmt(record.get('loss'))}  acc {_fmt(record.get('accuracy'), 3)}  "
             f"step {_fmt(record.get('step_time_s'), 3)} s"
         )
+
+    def update(self, record: dict) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=record.get("step", 0), stats=stats)
+            self._progress.update(self._task, completed=self.done(record), stats=self.stats(record))
         elif self.enabled:
-            console.print(f"  step {record.get('step')}/{self.total}  {stats}", highlight=False)
+            eta = self.eta_s(record)
+            tail = f"  eta {_duration(eta)}" if eta is not None else ""
+            console.print(f"  {self.stats(record)}{tail}", highlight=False)
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
@@ -75,6 +117,9 @@ SUMMARY_ROWS = [
     ("consensus_distance", "consensus distance"),
     ("step_time_s", "step time (s)"),
     ("throughput_samples_per_s", "throughput (samples/s)"),
+    ("scaling_efficiency", "scaling efficiency"),
+    ("speedup_vs_baseline", "speedup vs allreduce"),
+    ("time_source", "scaling figures"),
     ("wall_time_s", "wall time (s)"),
 ]
 
@@ -90,6 +135,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
     if summary.get("error"):
         table.add_row("error", str(summary["error"]))
     console.print(table)
+    if summary.get("contention"):
+        console.print(f"note: {summary['contention']}", highlight=False)
     console.print(f"results: {run_dir}", highlight=False)
 
 

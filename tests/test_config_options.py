@@ -4,6 +4,7 @@ Options are discovered from conf/, so a new option is covered the day it
 lands. EXTRA gives an option the context it needs to run small here.
 """
 
+import importlib.util
 import json
 
 import pytest
@@ -20,6 +21,8 @@ EXTRA: dict[tuple[str, str], list[str]] = {
 }
 # Options that cannot run here, with the reason (checked at collection time).
 UNAVAILABLE: dict[tuple[str, str], str] = {}
+if importlib.util.find_spec("wandb") is None:
+    UNAVAILABLE[("logger", "wandb")] = "wandb is an optional extra: pip install 'bfexp[wandb]'"
 
 
 def _nccl_unavailable() -> None:

@@ -1,0 +1,119 @@
+"""Experiment trackers fed from the driver.
+
+Rank 0 always writes metrics.jsonl, and the driver follows it for its
+progress display; a tracker receives the same records there. Logging from
+the driver rather than from a rank keeps trackers out of the ranks (no
+tracker process per rank, nothing to import under mpiexec) and works the
+same for every engine.
+
+wandb is an optional extra. It runs offline unless the user chose a mode
+(logger.mode or $WANDB_MODE): a run must never need a network or an
+account, and `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+WANDB_INSTALL = "pip install 'bfexp[wandb]'"
+
+
+class Tracker:
+    """Receives every metrics record of one job, then its summary. Does nothing by default."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def finish(self, summary: dict) -> None:
+        pass
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is not None:
+            self.finish({"status": "failed", "error": f"driver stopped: {exc_type.__name__}"})
+
+
+def _scalars(record: dict) -> dict:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float, str))}
+
+
+def sweep_dir() -> Path | None:
+    """The sweep folder when this process is a Hydra multirun, else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return Path(hc.sweep.dir)
+
+
+def wandb_mode(configured: str | None) -> str:
+    """logger.mode, else the user's $WANDB_MODE, else offline."""
+    return configured or os.environ.get("WANDB_MODE") or "offline"
+
+
+class WandbTracker(Tracker):
+    """One wandb run per job: the resolved config, every record, the summary."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        import wandb
+        from omegaconf import OmegaConf
+
+        lc = cfg.logger
+        sweep = sweep_dir()
+        if sweep is not None:
+            name, group = run_dir.name, lc.group or str(sweep)
+        else:
+            name, group = f"{cfg.algorithm.name}-{cfg.topology.name}-x{cfg.ranks}-{run_dir.name}", lc.group
+        self._finished = False
+        self.run = wandb.init(
+            project=lc.project,
+            entity=lc.entity,
+            group=group,
+            name=name,
+            job_type=cfg.algorithm.name,
+            tags=list(lc.tags) or None,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            dir=str(run_dir),
+            mode=wandb_mode(lc.mode),
+            # The driver's own stdout and machine stats say nothing about training.
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+        )
+
+    def log(self, record: dict) -> None:
+        values = {k: v for k, v in _scalars(record).items() if k != "step"}
+        step = record.get("step")
+        self.run.log(values, step=int(step) if step is not None else None)
+
+    def finish(self, summary: dict) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.run.summary.update(_scalars(summary))
+        self.run.finish(exit_code=0 if summary.get("status") in ("completed", "diverged") else 1)
+
+
+def open_tracker(cfg: Any, run_dir: Path) -> Tracker:
+    """The tracker cfg.logger asks for; a do-nothing one for console and jsonl.
+
+    A tracker that cannot start (e.g. online mode without a login) costs the
+    job its tracking, not its training: one warning line, and the run goes on.
+    """
+    if cfg.logger.name != "wandb":
+        return Tracker()
+    try:
+        return WandbTracker(cfg, Path(run_dir))
+    except ImportError:
+        raise  # validate() already checked; reaching here is a bug worth seeing
+    except Exception as e:  # wandb raises its own error types for login/network problems
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"bfexp: warning: wandb did not start ({first}); the job runs without it", file=sys.stderr)
+        return Tracker()

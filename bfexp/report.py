@@ -1,0 +1,699 @@
+"""A run or sweep folder -> report.csv, report.md and PNG plots.
+
+Every job directory under the folder (one with summary.json or Hydra's
+.hydra/overrides.yaml) becomes one row. The swept values come from each
+job's .hydra/overrides.yaml: a key whose value differs between jobs is a
+column, a key every job shares is listed once as a fixed override, so the
+table shows exactly what varied. Failed and diverged jobs stay in the table
+with their error and are left out of the plots, with a note saying so.
+
+Figures newer than a job (scaling efficiency, baseline, speedup, ...) are
+columns when some job has them; older job folders simply leave them empty.
+
+`bfexp-report FOLDER` runs it by hand; at the end of a sweep (`bfexp -m`)
+the MultirunReport callback registered in conf/config.yaml runs it (turn
+it off with report=false). matplotlib is imported only to draw, and draws
+without pyplot (no global backend state, safe inside the driver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import os
+import re
+import sys
+import textwrap
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+from typing import Any, Iterable
+
+from bfexp import results
+
+try:  # the Hydra callback API; the report itself does not need Hydra
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object  # type: ignore[misc,assignment]
+
+CSV_NAME = "report.csv"
+MD_NAME = "report.md"
+OK_STATUSES = ("completed",)
+
+# Summary fields in the order the table shows them (those no job has are dropped).
+TABLE_FIELDS = [
+    "status",
+    "final_loss",
+    "final_accuracy",
+    "consensus_distance",
+    "step_time_s",
+    "throughput_samples_per_s",
+    "scaling_efficiency",
+    "baseline_throughput_samples_per_s",
+    "baseline_scaling_efficiency",
+    "speedup_vs_baseline",
+    "comm_time_s",
+    "compute_time_s",
+    "wait_time_s",
+    "time_source",
+    "error",
+]
+# What identifies a job; shown in the table only when it differs between jobs.
+IDENTITY_FIELDS = ["algorithm", "topology", "ranks", "engine", "model", "dataset"]
+# The console shows fewer figures than report.md (width is scarce), under short headers;
+# errors follow the table, one line each, rather than squeezing it.
+CONSOLE_FIELDS = [
+    "status",
+    "final_loss",
+    "final_accuracy",
+    "consensus_distance",
+    "throughput_samples_per_s",
+    "scaling_efficiency",
+    "speedup_vs_baseline",
+    "time_source",
+]
+CONSOLE_LABELS = {
+    "final_loss": "loss",
+    "final_accuracy": "acc",
+    "consensus_distance": "consensus",
+    "step_time_s": "step s",
+    "throughput_samples_per_s": "samples/s",
+    "scaling_efficiency": "efficiency",
+    "baseline_throughput_samples_per_s": "base samples/s",
+    "baseline_scaling_efficiency": "base eff",
+    "speedup_vs_baseline": "speedup",
+    "comm_time_s": "comm s",
+    "compute_time_s": "compute s",
+    "wait_time_s": "wait s",
+    "time_source": "time",
+}
+# Swept keys that do not make a separate curve: repeats and the x axis itself.
+NOT_A_SERIES = ("ranks", "seed")
+
+
+# ------------------------------------------------------------------ collecting
+@dataclass
+class Job:
+    """One job directory: what it was asked to run and what it left behind."""
+
+    path: Path
+    name: str
+    summary: dict
+    records: list[dict]
+    overrides: dict[str, str]
+
+    @property
+    def status(self) -> str:
+        return str(self.summary.get("status") or "unknown")
+
+    @property
+    def ok(self) -> bool:
+        return self.status in OK_STATUSES
+
+    @property
+    def number(self) -> int | None:
+        """Hydra's job number (the N_ prefix of a sweep subfolder)."""
+        m = re.match(r"(\d+)_", self.name)
+        return int(m.group(1)) if m else None
+
+
+def is_job_dir(path: Path) -> bool:
+    return (path / results.SUMMARY).is_file() or (path / ".hydra" / "overrides.yaml").is_file()
+
+
+def find_job_dirs(root: Path) -> list[Path]:
+    """Job directories at or under root; a job's own subfolders (logs, wandb) are not searched."""
+    if is_job_dir(root):
+        return [root]
+    found = []
+    for dirpath, dirnames, _ in os.walk(root):
+        here = Path(dirpath)
+        if here != root and is_job_dir(here):
+            found.append(here)
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    return found
+
+
+def read_overrides(job_dir: Path) -> dict[str, str]:
+    """`key=value` overrides Hydra recorded for this job, in command-line order."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    out: dict[str, str] = {}
+    for item in OmegaConf.to_container(OmegaConf.load(path)) or []:
+        key, sep, value = str(item).partition("=")
+        if sep:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def load_job(job_dir: Path, root: Path) -> Job:
+    summary = results.read_json(job_dir / results.SUMMARY)
+    if summary is None:
+        summary = {"status": "unknown", "error": "no summary.json: the job did not finish or is still running"}
+    name = job_dir.name if job_dir == root else str(job_dir.relative_to(root))
+    return Job(job_dir, name, summary, results.read_jsonl(job_dir / results.METRICS), read_overrides(job_dir))
+
+
+def _job_order(job: Job) -> tuple:
+    return (job.number is None, job.number or 0, job.name)
+
+
+def collect(root: str | os.PathLike) -> list[Job]:
+    root = Path(root)
+    return sorted((load_job(d, root) for d in find_job_dirs(root)), key=_job_order)
+
+
+def swept_keys(jobs: list[Job]) -> list[str]:
+    """Override keys whose value is not the same in every job (all of them for a single job)."""
+    keys: list[str] = []
+    for job in jobs:
+        keys += [k for k in job.overrides if k not in keys]
+    if len(jobs) == 1:
+        return keys
+    return [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
+
+
+def fixed_overrides(jobs: list[Job]) -> dict[str, str]:
+    """Overrides every job shares (the sweep's constant part)."""
+    if len(jobs) < 2:
+        return {}
+    swept = set(swept_keys(jobs))
+    return {k: v for k, v in jobs[0].overrides.items() if k not in swept}
+
+
+# ------------------------------------------------------------------ table
+@dataclass
+class Table:
+    """Rows of the report: `columns` for people (md, console), `csv_columns` for everything."""
+
+    swept: list[str]
+    columns: list[str]
+    csv_columns: list[str]
+    rows: list[dict[str, Any]]
+
+
+def swept_value(job: Job, key: str) -> Any:
+    if key in job.overrides:
+        return job.overrides[key]
+    return job.summary.get(key)
+
+
+def build_table(jobs: list[Job]) -> Table:
+    swept = swept_keys(jobs)
+    rows = []
+    for job in jobs:
+        row: dict[str, Any] = {"job": job.name}
+        row.update(job.summary)
+        # Nested figures (e.g. the measured and modeled sets beside the headline) as dotted columns.
+        for key, value in job.summary.items():
+            if isinstance(value, dict):
+                row.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, (dict, list))})
+        row.update({k: swept_value(job, k) for k in swept})
+        rows.append(row)
+
+    def present(key: str) -> bool:
+        return any(r.get(key) not in (None, "") for r in rows)
+
+    varying_identity = [k for k in IDENTITY_FIELDS if k not in swept and len({str(r.get(k)) for r in rows}) > 1]
+    columns = ["job", *swept, *varying_identity, *[k for k in TABLE_FIELDS if present(k) or k == "status"]]
+    # The CSV keeps a stable schema (every known figure, empty where a job lacks it) plus any newer field.
+    known = ["job", *swept, *IDENTITY_FIELDS, *TABLE_FIELDS]
+    extra = sorted({k for r in rows for k in r if k not in known and not isinstance(r[k], (dict, list))})
+    csv_columns = list(dict.fromkeys(k for k in known if k != "error")) + extra + ["error"]
+    return Table(swept, columns, csv_columns, rows)
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if 1e3 <= abs(value) < 1e12:  # throughputs: whole numbers read better than 7.52e+04
+            return f"{value:,.0f}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def to_csv(table: Table) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=table.csv_columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in table.rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in table.csv_columns})
+    return buf.getvalue()
+
+
+def _md_cell(value: Any) -> str:
+    return fmt(value).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], notes: list[str]) -> str:
+    counts = defaultdict(int)
+    for job in jobs:
+        counts[job.status] += 1
+    lines = [
+        f"# bfexp report: {root}",
+        "",
+        f"{len(jobs)} job{'s' if len(jobs) != 1 else ''}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
+    ]
+    if table.swept:
+        lines.append(f"Swept: {', '.join(f'`{k}`' for k in table.swept)}.")
+    fixed = fixed_overrides(jobs)
+    if fixed:
+        lines.append("Fixed overrides: " + " ".join(f"`{k}={v}`" for k, v in fixed.items()) + ".")
+    lines += ["", "| " + " | ".join(table.columns) + " |", "|" + "|".join("---" for _ in table.columns) + "|"]
+    for row, job in zip(table.rows, jobs):
+        cells = [_md_cell(row.get(c)) for c in table.columns]
+        if job.number is not None and job.path != root:  # the job's number, linked to its folder
+            cells[0] = f"[{job.number}](<{job.name}/>)"
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"All figures of every job: [{CSV_NAME}]({CSV_NAME})."]
+    if plots:
+        lines += ["", "## Plots", ""]
+        for path in plots:
+            lines += [f"![{path.stem}]({path.name})", ""]
+    left_out = [j for j in jobs if not j.ok]
+    if left_out:
+        lines += ["", "## Left out of the plots", ""]
+        lines += [f"- `{j.name}`: {j.status}" + (f": {j.summary['error']}" if j.summary.get("error") else "") for j in left_out]
+    contention = {str(j.summary["contention"]) for j in jobs if j.summary.get("contention")}
+    notes = [*notes, *sorted(contention)]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def render_table(table: Table, title: str) -> Any:
+    """The table for the console (rich): short headers, job numbers, errors cut short."""
+    from rich.table import Table as RichTable
+
+    numbered = all(re.match(r"\d+_", r["job"]) for r in table.rows)
+    columns = [c for c in table.columns if c not in TABLE_FIELDS or c in CONSOLE_FIELDS]
+    out = RichTable(title=title, title_justify="left")
+    for col in columns:
+        label = "#" if (col == "job" and numbered) else CONSOLE_LABELS.get(col, col)
+        numeric = col not in ("job", "status", "time_source", *table.swept, *IDENTITY_FIELDS)
+        out.add_column(label, justify="right" if numeric else "left", overflow="fold", min_width=len(label))
+    for row in table.rows:
+        cells = []
+        for col in columns:
+            text = fmt(row.get(col), digits=3)
+            if col == "job" and numbered:
+                text = text.split("_", 1)[0]
+            if col == "status" and text != "completed":
+                text = f"[red]{text}[/red]" if text == "failed" else f"[yellow]{text}[/yellow]"
+            cells.append(text)
+        out.add_row(*cells)
+    return out
+
+
+# ------------------------------------------------------------------ plots
+def series_label(job: Job, swept: list[str]) -> str:
+    """What distinguishes a job's curve from the others', ranks and seeds aside."""
+    parts = [f"{k}={swept_value(job, k)}" for k in swept if k not in NOT_A_SERIES]
+    if parts:
+        return ", ".join(parts)
+    return f"{job.summary.get('algorithm', '?')} on {job.summary.get('topology', '?')}"
+
+
+def job_label(job: Job, swept: list[str], skip: Iterable[str] = ()) -> str:
+    parts = [f"{k}={swept_value(job, k)}" for k in swept if k not in skip]
+    return ", ".join(parts) if parts else series_label(job, [])
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def training_time_s(records: list[dict]) -> list[float | None]:
+    """Seconds of training up to each record: the sum of measured step times (each record's
+    step_time_s is the mean over its logging window). Start-up and evaluation are left out,
+    so algorithms compare on the time their steps took, not on how busy the machine was at start."""
+    total, prev_step, out = 0.0, 0, []
+    for rec in records:
+        step, step_time = rec.get("step"), rec.get("step_time_s")
+        if not (_finite(step) and _finite(step_time)):
+            out.append(None)
+            continue
+        total += (step - prev_step) * step_time
+        prev_step = step
+        out.append(total)
+    return out
+
+
+def curve(records: list[dict], xkey: str, ykey: str) -> list[tuple[float, float]]:
+    """(x, y) points of one metric; xkey "training_time_s" is derived by training_time_s."""
+    xs = training_time_s(records) if xkey == "training_time_s" else [rec.get(xkey) for rec in records]
+    return [(x, rec[ykey]) for x, rec in zip(xs, records) if _finite(x) and _finite(rec.get(ykey))]
+
+
+def points_by_series(jobs: list[Job], swept: list[str], key: str) -> dict[str, dict[int, list[float]]]:
+    """A summary figure of each job, by curve and rank count (repeats, e.g. seeds, share a point)."""
+    points: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for job in jobs:
+        value, ranks = job.summary.get(key), job.summary.get("ranks")
+        if _finite(value) and isinstance(ranks, int):
+            points[series_label(job, swept)][ranks].append(float(value))
+    return points
+
+
+def efficiency_series(jobs: list[Job], swept: list[str]) -> dict[str, tuple[dict[int, list[float]], str]]:
+    """Scaling efficiency by curve and rank count, with a legend suffix saying where it comes from.
+
+    summary.json's scaling_efficiency when every job of the curve has it.
+    Otherwise (jobs from before those figures existed) it is derived from the
+    curve's own throughputs, relative to its smallest rank count r0:
+    (T(n) / n) / (T(r0) / r0), the single-rank definition when r0 = 1.
+    """
+    measured = points_by_series(jobs, swept, "scaling_efficiency")
+    throughput = points_by_series(jobs, swept, "throughput_samples_per_s")
+    out: dict[str, tuple[dict[int, list[float]], str]] = {}
+    for label in dict.fromkeys([*measured, *throughput]):
+        points, tp = measured.get(label, {}), throughput.get(label, {})
+        if points and set(tp) <= set(points):
+            out[label] = (dict(points), "")
+        elif len(tp) >= 2:
+            r0 = min(tp)
+            per_rank0 = mean(tp[r0]) / r0
+            derived = {r: [t / r / per_rank0 for t in v] for r, v in tp.items()}
+            out[label] = (derived, f" (vs {r0} rank{'s' if r0 > 1 else ''}, from throughput)")
+    return out
+
+
+class Plotter:
+    """Draws the report's figures into one folder, with colors that mean the same series everywhere."""
+
+    DPI = 120
+
+    def __init__(self, out: Path, jobs: list[Job], swept: list[str]) -> None:
+        import matplotlib
+
+        self.mpl = matplotlib
+        self.out = out
+        self.swept = swept
+        self.ok = [j for j in jobs if j.ok]
+        self.left_out = [j for j in jobs if not j.ok]
+        labels = list(dict.fromkeys(series_label(j, swept) for j in self.ok))
+        cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
+        self.colors = {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
+        self.notes: list[str] = []
+        self.written: list[Path] = []
+
+    # -- helpers
+    def figure(self, width: float = 7.5, height: float = 4.8):
+        from matplotlib.figure import Figure
+
+        return Figure(figsize=(width, height), layout="constrained")
+
+    def footnote(self, fig, extra: str = "") -> None:
+        text = []
+        if self.left_out:
+            names = ", ".join(f"{j.name} ({j.status})" for j in self.left_out[:4])
+            more = f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else ""
+            text.append(f"Left out (failed or diverged, see report.md): {names}{more}")
+        if extra:
+            text.append(extra)
+        if text:
+            width = int(fig.get_figwidth() * 17)  # characters of 7-point text per line
+            wrapped = "\n".join(textwrap.fill(t, width) for t in text)
+            fig.supxlabel(wrapped, fontsize=7, color="0.35", ha="left", x=0.01)
+
+    def save(self, fig, name: str) -> None:
+        path = self.out / name
+        tmp = self.out / f".{name}.tmp"
+        fig.savefig(tmp, format="png", dpi=self.DPI)
+        os.replace(tmp, path)
+        self.written.append(path)
+
+    def rank_axis(self, ax, ranks: list[int]) -> None:
+        from matplotlib.ticker import NullLocator, ScalarFormatter
+
+        if ranks and max(ranks) / max(1, min(ranks)) >= 4:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(set(ranks)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("ranks")
+        ax.grid(True, alpha=0.3)
+
+    def draw_series(self, ax, label: str, per_ranks: dict[int, list[float]], suffix: str = "") -> None:
+        xs = sorted(per_ranks)
+        ys = [mean(per_ranks[x]) for x in xs]
+        lo = [y - min(per_ranks[x]) for x, y in zip(xs, ys)]
+        hi = [max(per_ranks[x]) - y for x, y in zip(xs, ys)]
+        repeats = any(len(v) > 1 for v in per_ranks.values())
+        ax.errorbar(xs, ys, yerr=[lo, hi] if repeats else None, marker="o", capsize=3,
+                    color=self.colors.get(label), label=label + suffix + (" (mean, min-max)" if repeats else ""))
+
+    def baseline(self, key: str) -> dict[int, float]:
+        per: dict[int, list[float]] = defaultdict(list)
+        for job in self.ok:
+            if _finite(job.summary.get(key)) and isinstance(job.summary.get("ranks"), int):
+                per[job.summary["ranks"]].append(float(job.summary[key]))
+        return {r: mean(v) for r, v in sorted(per.items())}
+
+    def time_source(self) -> str:
+        """Where the plotted times come from (measured here, or modeled), for the title."""
+        found = sorted({str(j.summary["time_source"]) for j in self.ok if j.summary.get("time_source")})
+        return f" ({' and '.join(found)})" if found else ""
+
+    # -- figures
+    def scaling_plots(self) -> None:
+        all_ranks = sorted({j.summary.get("ranks") for j in self.ok if isinstance(j.summary.get("ranks"), int)})
+        has_field = any(_finite(j.summary.get("scaling_efficiency")) for j in self.ok)
+        if len(all_ranks) < 2 and not has_field:
+            self.notes.append("No scaling plots: the completed jobs ran at one rank count and carry no scaling_efficiency.")
+            return
+        self.efficiency_plot(all_ranks)
+        self.throughput_plot(all_ranks)
+
+    def efficiency_plot(self, all_ranks: list[int]) -> None:
+        fig = self.figure()
+        ax = fig.add_subplot()
+        series = efficiency_series(self.ok, self.swept)
+        for label, (points, suffix) in series.items():
+            self.draw_series(ax, label, points, suffix)
+        drawn = bool(series)
+        base = self.baseline("baseline_scaling_efficiency")
+        if base:
+            ax.plot(list(base), list(base.values()), ls="--", marker="s", color="0.4", label="allreduce baseline")
+        ax.axhline(1.0, ls=":", color="black", label="ideal (linear scaling)")
+        ax.set_ylabel("scaling efficiency (1 = linear)")
+        ax.set_ylim(bottom=0)
+        self.rank_axis(ax, all_ranks)
+        ax.set_title(f"Scaling efficiency{self.time_source()}: throughput / (ranks × single-rank throughput)",
+                     fontsize=11)
+        if drawn or base:
+            ax.legend(fontsize=8)
+        self.footnote(fig)
+        self.save(fig, "scaling_efficiency.png")
+
+    def throughput_plot(self, all_ranks: list[int]) -> None:
+        fig = self.figure()
+        ax = fig.add_subplot()
+        values = []
+        for label, points in points_by_series(self.ok, self.swept, "throughput_samples_per_s").items():
+            self.draw_series(ax, label, points)
+            values += [v for vs in points.values() for v in vs]
+        base = self.baseline("baseline_throughput_samples_per_s")
+        if base:
+            ax.plot(list(base), list(base.values()), ls="--", marker="s", color="0.4", label="allreduce baseline")
+            values += list(base.values())
+        if values and max(values) / max(min(values), 1e-12) >= 10:
+            ax.set_yscale("log")
+        ax.set_ylabel("throughput (samples/s, all ranks)")
+        self.rank_axis(ax, all_ranks)
+        ax.set_title(f"Throughput vs ranks{self.time_source()}")
+        if values:
+            ax.legend(fontsize=8)
+        self.footnote(fig)
+        self.save(fig, "throughput.png")
+
+    def training_plots(self) -> None:
+        """Loss and accuracy vs step and vs time; one figure per rank count when ranks vary."""
+        with_records = [j for j in self.ok if j.records]
+        if not with_records:
+            self.notes.append("No training curves: no completed job has metrics.jsonl records.")
+            return
+        ranks = sorted({j.summary.get("ranks") for j in with_records}, key=lambda r: (r is None, r or 0))
+        groups = [(r, [j for j in with_records if j.summary.get("ranks") == r]) for r in ranks] if len(ranks) > 1 else [(ranks[0], with_records)]
+        time_label = "training time (s): sum of measured step times"
+        loss_label = "training loss (cross-entropy, mean over ranks)"
+        acc_label = "held-out accuracy (fraction, mean over ranks)"
+        panels = [
+            ("step", "loss", "step", loss_label),
+            ("training_time_s", "loss", time_label, loss_label),
+            ("step", "accuracy", "step", acc_label),
+            ("training_time_s", "accuracy", time_label, acc_label),
+        ]
+        for r, group in groups:
+            fig = self.figure(11, 8)
+            axes = fig.subplots(2, 2)
+            for ax, (xkey, ykey, xlabel, ylabel) in zip(axes.flat, panels):
+                for job in group:
+                    pts = curve(job.records, xkey, ykey)
+                    if pts:
+                        label = job_label(job, self.swept, skip=("ranks",)) if len(ranks) > 1 else job_label(job, self.swept)
+                        color = self.colors.get(series_label(job, self.swept))
+                        ax.plot(*zip(*pts), marker=".", ms=3, lw=1.2, color=color, label=label,
+                                ls=["-", "--", "-.", ":"][group.index(job) % 4])
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel(ylabel, fontsize=9)
+                ax.grid(True, alpha=0.3)
+            handles, labels = axes[0, 0].get_legend_handles_labels()
+            if handles:
+                fig.legend(handles, labels, loc="outside right upper", fontsize=8)
+            where = f", {r} ranks" if r is not None else ""
+            fig.suptitle(f"Training loss and held-out accuracy{where}")
+            self.footnote(fig)
+            self.save(fig, f"training_ranks{r}.png" if len(groups) > 1 else "training.png")
+
+    def consensus_plot(self) -> None:
+        fig = self.figure()
+        ax = fig.add_subplot()
+        zero, drawn = [], 0
+        for i, job in enumerate(self.ok):
+            pts = curve(job.records, "step", "consensus_distance")
+            positive = [(s, c) for s, c in pts if c > 0]
+            if not positive:
+                if pts:
+                    zero.append(job_label(job, self.swept))
+                continue
+            ax.plot(*zip(*positive), marker=".", ms=3, lw=1.2, ls=["-", "--", "-.", ":"][i % 4],
+                    color=self.colors.get(series_label(job, self.swept)), label=job_label(job, self.swept))
+            drawn += 1
+        if not drawn and not zero:
+            self.notes.append("No consensus plot: no completed job logged consensus_distance.")
+            return
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("consensus distance: mean ‖x_i − x̄‖² over ranks")
+        ax.set_title("Consensus distance vs step (log scale)")
+        ax.grid(True, which="both", alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        note = ""
+        if zero:
+            note = "Not drawn (zero at every logged step: all ranks hold the same model): " + "; ".join(zero[:4])
+            note += " ..." if len(zero) > 4 else ""
+            if not drawn:
+                ax.text(0.5, 0.5, "every completed job kept identical models\n(consensus distance 0)",
+                        ha="center", va="center", transform=ax.transAxes)
+        self.footnote(fig, note)
+        self.save(fig, "consensus_distance.png")
+
+
+def draw_plots(out: Path, jobs: list[Job], swept: list[str]) -> tuple[list[Path], list[str]]:
+    """Every plot the jobs allow; returns the files written and notes on what was not drawn."""
+    plotter = Plotter(out, jobs, swept)
+    if not plotter.ok:
+        return [], ["No plots: no job completed."]
+    plotter.scaling_plots()
+    plotter.training_plots()
+    plotter.consensus_plot()
+    if plotter.left_out:
+        plotter.notes.append(f"{len(plotter.left_out)} failed or diverged job(s) are in the table but not in the plots.")
+    return plotter.written, plotter.notes
+
+
+# ------------------------------------------------------------------ the report
+@dataclass
+class Report:
+    root: Path
+    out: Path
+    jobs: list[Job]
+    table: Table
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class NoJobsError(ValueError):
+    """The folder holds no job directories."""
+
+
+def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, plots: bool = True) -> Report:
+    """Collect every job under root and write report.csv, report.md and plots into out (default: root)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise NoJobsError(f"{root} is not a folder")
+    jobs = collect(root)
+    if not jobs:
+        raise NoJobsError(f"no jobs under {root} (a job folder has summary.json or .hydra/overrides.yaml)")
+    out_dir = Path(out) if out is not None else root
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = build_table(jobs)
+    pngs, notes = draw_plots(out_dir, jobs, table.swept) if plots else ([], [])
+    results.write_text_atomic(out_dir / CSV_NAME, to_csv(table))
+    results.write_text_atomic(out_dir / MD_NAME, to_markdown(root, jobs, table, pngs, notes))
+    return Report(root, out_dir, jobs, table, [out_dir / CSV_NAME, out_dir / MD_NAME, *pngs], notes)
+
+
+def print_report(report: Report) -> None:
+    from bfexp.progress import console
+
+    from rich.console import Console
+
+    table = render_table(report.table, f"{report.root}: {len(report.jobs)} jobs")
+    # A terminal fits the table to its width; a pipe or log file (80 columns by default)
+    # gets it at full width rather than squeezed into unreadable fragments.
+    if console.is_terminal:
+        console.print(table)
+    else:
+        probe = Console(file=io.StringIO(), width=1000)
+        probe.print(table)
+        width = max(len(line.rstrip()) for line in probe.file.getvalue().splitlines())
+        Console(file=console.file, width=max(console.width, width)).print(table)
+    numbered = all(job.number is not None for job in report.jobs)
+    for job in report.jobs:
+        if job.summary.get("error"):
+            name = job.number if numbered else job.name
+            console.print(f"{name} ({job.status}): {job.summary['error']}", highlight=False, soft_wrap=True)
+    for note in report.notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    console.print(f"report: {report.out / MD_NAME} ({len(report.files) - 2} plots, {CSV_NAME})", highlight=False, soft_wrap=True)
+
+
+class MultirunReport(Callback):
+    """Hydra callback: at the end of a sweep, print the table and write the report into the sweep folder."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        if not config.get("report", True):
+            return
+        try:
+            report = write_report(Path(config.hydra.sweep.dir))
+        except Exception as e:  # the jobs' results stand; a report problem must not hide them
+            print(f"bfexp: warning: sweep report not written: {e}", file=sys.stderr)
+            return
+        print_report(report)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="bfexp-report",
+        description="Turn a bfexp run or sweep folder into report.csv, report.md and PNG plots.",
+    )
+    parser.add_argument("folder", help="a multirun folder (multirun/<date>/<time>), a run folder, or any folder of them")
+    parser.add_argument("--out", help="where to write the report (default: the folder itself)")
+    parser.add_argument("--no-plots", action="store_true", help="only the table: report.csv and report.md")
+    args = parser.parse_args(argv)
+    try:
+        report = write_report(args.folder, args.out, plots=not args.no_plots)
+    except NoJobsError as e:
+        print(f"bfexp-report: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print_report(report)
+
+
+if __name__ == "__main__":
+    main()

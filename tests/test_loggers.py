@@ -1,0 +1,115 @@
+"""The logger group: console progress, wandb offline runs, the optional-extra check."""
+
+import importlib.util
+import io
+import os
+import struct
+import subprocess
+
+import pytest
+from rich.console import Console
+
+from bfexp import progress
+from bfexp.cli import group_options
+from bfexp.progress import ConsoleProgress
+from tests.conftest import BFEXP
+
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+
+
+def test_plain_progress_lines_with_eta(monkeypatch):
+    """Off a terminal: one line per record; the ETA is the pace since the previous record
+    (start-up excluded) times the steps left."""
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "console", Console(file=out, force_terminal=False, width=200))
+    with ConsoleProgress(100, "dsgd/exp2 x4") as bar:
+        assert not bar.interactive
+        bar.update({"step": 10, "loss": 0.5, "accuracy": 0.75, "step_time_s": 0.01, "elapsed_s": 5.0})
+        # 10 steps took 2 s since the last record: 80 steps left take 16 s.
+        bar.update({"step": 20, "loss": 0.25, "accuracy": 0.8, "step_time_s": 0.01, "elapsed_s": 7.0})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "dsgd/exp2 x4: starting ranks"
+    assert lines[1].split() == ["step", "10/100", "loss", "0.5", "acc", "0.75", "step", "0.01", "s", "eta", "45", "s"]
+    assert lines[2].endswith("eta 16 s")
+
+
+def test_progress_counts_epochs_when_the_job_has_them(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "console", Console(file=out, force_terminal=False, width=200))
+    with ConsoleProgress(200, "x", epochs=4) as bar:
+        bar.update({"step": 30, "epoch": 1.0, "elapsed_s": 10.0})
+        bar.update({"step": 60, "epoch": 2.0, "elapsed_s": 13.0})
+    # 1 epoch per 3 s since the previous record, 2 epochs left.
+    assert out.getvalue().splitlines()[-1].endswith("(epoch 2/4)  loss -  acc -  step - s  eta 6 s")
+
+
+def test_no_progress_when_disabled(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "console", Console(file=out, force_terminal=False))
+    with ConsoleProgress(10, "x", enabled=False) as bar:
+        bar.update({"step": 5, "loss": 1.0, "elapsed_s": 1.0})
+    assert out.getvalue() == ""
+
+
+def test_wandb_missing_exits_2_with_the_install_command(tmp_path):
+    """Without wandb importable (None in sys.modules hides it), logger=wandb stops before any rank."""
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "hide"))
+    proc = subprocess.run(BFEXP + ["logger=wandb", "hydra.run.dir=run"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "bfexp: error: logger=wandb needs the wandb package; install it with: pip install 'bfexp[wandb]'"]
+    assert not (tmp_path / "run" / "logs").exists(), "no rank was started"
+
+
+def wandb_records(path):
+    """Records of an offline run's .wandb file: a 7-byte header, then the LevelDB log
+    format (32 KiB blocks of chunks, each with a 7-byte header: crc, length, type)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, chunk = 32768, 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk ends a record
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            yield record
+
+
+def item_key(item):
+    return item.key or "/".join(item.nested_key)
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is an optional extra (pip install 'bfexp[wandb]'); not installed")
+def test_wandb_offline_run_per_job_grouped_by_sweep(bfexp, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    engine = "threads" if "threads" in group_options("engine") else "mpi"  # threads: no rank spawn
+    proc = bfexp("-m", "ranks=1", "steps=4", "log_every=2", "logger=wandb", "report=false", f"engine={engine}",
+                 "hydra.sweep.dir=sweep", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    job = next((bfexp.cwd / "sweep").glob("0_*"))
+    runs = list((job / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "one offline run per job, inside the job's folder"
+    records = list(wandb_records(next(runs[0].glob("run-*.wandb"))))
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.project, run.run_group, run.display_name, run.job_type) == ("bfexp", "sweep", job.name, "dsgd")
+    config = {item_key(u): u.value_json for u in run.config.update}
+    assert config["ranks"] == "1" and config["steps"] == "4" and '"name":"wandb"' in config["logger"]
+    history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
+    assert [h.step.num for h in history] == [2, 4]  # every metrics record, at its step
+    assert all({"loss", "accuracy", "step_time_s"} <= {item_key(i) for i in h.item} for h in history)
+    summary = {item_key(u): u.value_json for r in records if r.WhichOneof("record_type") == "summary"
+               for u in r.summary.update}
+    assert summary["status"] == '"completed"' and summary["steps"] == "4"
+    assert next(r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit") == 0
