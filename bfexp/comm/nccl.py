@@ -2,15 +2,16 @@
 
 MPI only bootstraps and coordinates: rank 0 makes the NCCL unique id and
 broadcasts it over mpi4py, every rank opens an ``NcclCommunicator`` on the
-GPU whose index is its rank on its machine, and from then on tensors move
-through NCCL. What this relies on in CuPy's documented ``cupy.cuda.nccl``
-API (checked against CuPy 14.2 with NCCL 2.32):
+GPU whose index is its rank among the ranks of its machine, and from then on
+tensors move through NCCL. What this relies on in CuPy's documented
+``cupy.cuda.nccl`` API (checked against CuPy 14.2 with NCCL 2.32):
 
 * ``get_unique_id()`` (bytes since CuPy 14, a tuple before; either pickles
   through ``comm.bcast``) and ``NcclCommunicator(ndev, commId, rank)``;
 * ``allReduce(sendbuf, recvbuf, count, datatype, op, stream)``,
   ``broadcast(sendbuf, recvbuf, count, datatype, root, stream)``,
   ``allGather(sendbuf, recvbuf, count, datatype, stream)``,
+  ``reduceScatter(sendbuf, recvbuf, recvcount, datatype, op, stream)``,
   ``send(sendbuf, count, datatype, peer, stream)``,
   ``recv(recvbuf, count, datatype, peer, stream)``: buffers are raw device
   pointers and the stream a raw ``cudaStream_t`` handle, all ints;
@@ -30,43 +31,58 @@ overlap nonblocking forms buy.
 Tensors: torch CUDA tensors reach NCCL as their own device pointers and
 reach CuPy (the fused weighted-average kernel of bfexp.comm.nccl_kernels)
 through DLPack, without copies. CPU tensors are accepted too (the metrics
-code and the contract tests pass them): they are staged to this rank's GPU,
+code and the contract suite pass them): they are staged to this rank's GPU,
 go through NCCL all the same, and come back on the CPU. A result lives on
 the device its inputs came from.
+
+Declarations: NCCL waits forever on a receive nobody sends, so before a
+neighbor exchange every rank's sources, destinations, size and dtype are
+gathered over MPI (one small allgather); a mismatch raises the contract's
+CommError on every rank before anything reaches NCCL. Gathers use the same
+exchange to learn the shapes they will receive.
 
 Windows (one-sided ops for asynchronous algorithms) are host-staged MPI:
 NCCL has only two-sided transfers, which need the target's participation,
 while a window's put/get/accumulate must complete without it. The engine
-keeps an MPI engine on the same communicator, copies a window's tensor to
-the host and runs MPI's one-sided windows on it; ``win_update`` and
-``win_get`` bring results back to the GPU.
+keeps an MPIEngine on the same communicator and runs its MPI-3 windows; a
+window lives in host memory (``win_create`` returns its live own value as a
+CPU tensor), and GPU tensors handed to put/accumulate are copied to the host.
 
-CuPy is imported lazily (``nccl_available`` is the cheap probe the CLI
-runs before any rank starts).
+CuPy is imported lazily: ``nccl_available`` is the cheap probe the CLI runs
+before any rank starts.
 """
 
 from __future__ import annotations
 
-import abc
+import atexit
 import importlib.util
+import time
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from bfexp.comm.engine import (
-    CommError,
+    DTYPE_CODES,
+    HALF_DTYPES,
     DstWeights,
     Engine,
     Handle,
+    NeighborSpec,
     TensorOrList,
     Weights,
     as_list,
     check_float,
+    first_dims,
     fuse,
-    normalize_dst,
+    mismatch_error,
+    payload_bytes,
+    pattern_problems,
     restore,
+    rows_shape,
+    shape_signature,
 )
 
 INSTALL_HINT = "install the extra for your CUDA major: pip install 'bfexp[cuda12]' or 'bfexp[cuda13]'"
@@ -120,90 +136,81 @@ def _mpi():
     return MPI
 
 
-# ------------------------------------------------------------------ pattern checks (host side, MPI)
-def pattern_problem(
-    sends: Sequence[Sequence[int]],
-    expects: Sequence[Sequence[int]],
-    signatures: Sequence[Any] | None = None,
-    unit: str = "rank",
-) -> str | None:
-    """The first way a send/receive pattern does not match, or None.
+# ------------------------------------------------------------------ declarations (host side, MPI)
+def declare(comm: Any, units: int, srcs: Sequence[int], dsts: Sequence[int], info: tuple) -> tuple[list, np.ndarray, np.ndarray]:
+    """Every rank's (sources, destinations, info) of one exchange, gathered over MPI.
 
-    ``sends[q]`` are the peers q sends to, ``expects[r]`` the peers r
-    receives from; with ``signatures``, both ends of an edge must agree
-    (e.g. element count and dtype). Deterministic, so every rank that
-    checks the same table reports the same problem.
+    Returns (infos by rank, expects[r, u]: r receives from u, sends[r, u]:
+    r sends to u); ``units`` are ranks, or machines for hierarchical ops.
+    Every rank gets the same table, so every rank finds the same problems.
     """
-    send_sets = [set(map(int, d)) for d in sends]
-    for r, sources in enumerate(expects):
-        for q in sorted(map(int, sources)):
-            if r not in send_sets[q]:
-                return f"{unit} {r} expects a message from {unit} {q}, but {unit} {q} does not send to {unit} {r}"
-            if signatures is not None and signatures[q] != signatures[r]:
-                return f"{unit} {q} sends {signatures[q]} to {unit} {r}, which expects {signatures[r]}"
-    expect_sets = [set(map(int, s)) for s in expects]
-    for q, targets in enumerate(sends):
-        for r in sorted(targets):
-            if q not in expect_sets[r]:
-                return f"{unit} {q} sends to {unit} {r}, but {unit} {r} does not expect a message from {unit} {q}"
-    return None
+    table = comm.allgather((sorted(int(u) for u in srcs), sorted(int(u) for u in dsts), info))
+    expects = np.zeros((len(table), units), bool)
+    sends = np.zeros((len(table), units), bool)
+    for r, (s, d, _) in enumerate(table):
+        expects[r, s] = True
+        sends[r, d] = True
+    return [i for _, _, i in table], expects, sends
 
 
-def check_pattern(
-    comm: Any,
-    op: str,
-    dsts: Any,
-    srcs: Any,
-    signature: Any,
-    same_signature: bool = True,
-    unit: str = "rank",
-) -> list[Any]:
-    """Share every rank's (destinations, sources, signature) over MPI; raise CommError on every rank on a mismatch.
-
-    Returns every rank's signature (receivers learn what they will get).
-    NCCL would wait forever instead: a receive nobody sends never ends.
-    """
-    table = comm.allgather((sorted(int(d) for d in dsts), sorted(int(s) for s in srcs), signature))
-    signatures = [sig for _, _, sig in table]
-    problem = pattern_problem([d for d, _, _ in table], [s for _, s, _ in table], signatures if same_signature else None, unit)
-    if problem:
-        raise CommError(f"{op}: {problem}")
-    return signatures
+def gather_info(tensors: Sequence[torch.Tensor]) -> tuple:
+    """What a receiver of gathered tensors must know: dtype, count, trailing shapes, first dims."""
+    return (DTYPE_CODES.get(tensors[0].dtype, 0), len(tensors), shape_signature(tensors), tuple(first_dims(tensors)))
 
 
-def _numel(shape: Sequence[int]) -> int:
+def gather_problems(infos: Sequence[tuple], pairs: Sequence[tuple[int, int]]) -> list[str]:
+    """Gathered tensors may differ in their first dimension only, between the ranks of each pair."""
+    problems = []
+    for j, i in pairs:
+        if infos[j][:3] != infos[i][:3]:
+            problems.append(
+                f"rank {j} gives {infos[j][1]} tensor(s) of another dtype or trailing shape than rank {i} "
+                "(only the first dimension may differ)"
+            )
+    return problems
+
+
+def row_numel(t: torch.Tensor) -> int:
+    """Elements in one row (dim 0 slice) of ``t``; a 0-d tensor is one row of one."""
     n = 1
-    for d in shape:
+    for d in t.shape[1:]:
         n *= int(d)
     return n
 
 
-def check_gather_shapes(op: str, everyone: Sequence[tuple[tuple, str]]) -> None:
-    """Gathered tensors may differ in their first dimension only; every rank checks the same table."""
-    shapes0, dtype0 = everyone[0]
-    for r, (shapes, dtype) in enumerate(everyone):
-        if dtype != dtype0 or len(shapes) != len(shapes0):
-            raise CommError(f"{op}: rank {r} gives {len(shapes)} x {dtype}, rank 0 gives {len(shapes0)} x {dtype0}")
-        for i, (a, b) in enumerate(zip(shapes, shapes0)):
-            if len(a) == 0 or tuple(a[1:]) != tuple(b[1:]):
-                raise CommError(
-                    f"{op}: tensor {i} is {tuple(a)} on rank {r} and {tuple(b)} on rank 0; "
-                    "allowed: the same shape except the first dimension (at least 1-d)"
-                )
-
-
-def split_gathered(rows: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple]]) -> list[torch.Tensor]:
-    """Cut each source's fused row into its tensors and concatenate them per tensor, source by source."""
-    per_tensor: list[list[torch.Tensor]] = [[] for _ in shapes[0]]
-    for row, row_shapes in zip(rows, shapes):
+def split_gathered(
+    rows: Sequence[torch.Tensor], row_counts: Sequence[Sequence[int]], like: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Cut each source's fused buffer into its tensors and concatenate them per tensor, source by source."""
+    per_tensor: list[list[torch.Tensor]] = [[] for _ in like]
+    for row, counts in zip(rows, row_counts):
         offset = 0
-        for i, shape in enumerate(row_shapes):
-            n = _numel(shape)
+        for i, (t, count) in enumerate(zip(like, counts)):
+            shape = rows_shape(t, count)
+            n = count * row_numel(t)
             per_tensor[i].append(row[offset : offset + n].view(shape))
             offset += n
     return [torch.cat(parts) for parts in per_tensor]
 
 
+def machine_problems(
+    infos: Sequence[tuple], expects: np.ndarray, sends: np.ndarray, local_size: int
+) -> list[str]:
+    """A hierarchical op: one size and dtype everywhere, one declaration per machine, consistent among machines."""
+    problems = []
+    for r, info in enumerate(infos):
+        if info != infos[0]:
+            problems.append(f"rank {r} has {info[0]} elements of dtype code {info[1]}, rank 0 has {infos[0][0]} of {infos[0][1]}")
+            break
+    for r in range(len(infos)):
+        lead = r - r % local_size
+        if (expects[r] != expects[lead]).any() or (sends[r] != sends[lead]).any():
+            problems.append(f"rank {r} declares other machine weights than rank {lead} of its machine")
+    leaders = list(range(0, len(infos), local_size))
+    return problems + pattern_problems("hierarchical", sends[leaders], expects[leaders], unit="machine")
+
+
+# ------------------------------------------------------------------ tensors
 # torch dtype -> name of CuPy's NCCL datatype constant, for reductions.
 NCCL_TYPES = {
     torch.float32: "NCCL_FLOAT32",
@@ -215,12 +222,10 @@ NCCL_TYPES = {
     torch.int8: "NCCL_INT8",
     torch.uint8: "NCCL_UINT8",
 }
-HALF_TYPES = (torch.float16, torch.bfloat16)
-WINDOW_PREFIXES = ("win_", "iwin_")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as bytes: data movement needs no dtype."""
+    """A contiguous tensor's memory as bytes: moving data needs no dtype."""
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -237,49 +242,65 @@ def as_cupy(t: torch.Tensor) -> Any:
     return cupy.from_dlpack(t)
 
 
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.detach().cpu() if t is not None and t.is_cuda else t
+
+
+# ------------------------------------------------------------------ the engine
 class NCCLEngine(Engine):
+    """The Engine contract over NCCL (through CuPy) on this rank's GPU; see the module doc."""
+
     name = "nccl"
 
     def __init__(
-        self, comm: Any = None, ranks_per_machine: int = 0, gpu: int | None = None, check_neighbors: bool = True
+        self,
+        comm: Any = None,
+        ranks_per_machine: int = 0,
+        gpu: int | None = None,
+        check_neighbors: bool = True,
+        timeline_from_env: bool = True,
     ) -> None:
         super().__init__()
-        # NCCL waits forever on a receive nobody sends: check each exchange's pattern over MPI first.
-        self.check_neighbors = check_neighbors
         import cupy
         from cupy.cuda import nccl
 
         from bfexp.comm.mpi import MPIEngine
 
         MPI = _mpi()
-        self._nccl_api = nccl
+        self._api = nccl
         self.comm = comm if comm is not None else MPI.COMM_WORLD
-        self._local_size = ranks_per_machine or self.comm.Get_size()
-        if self.comm.Get_size() % self._local_size:
-            raise ValueError(
-                f"ranks_per_machine={ranks_per_machine} does not divide {self.comm.Get_size()} ranks"
-            )
-        if gpu is None:  # the rank's index among the ranks on its physical machine
-            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.comm.Get_rank())
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        self._local_size = ranks_per_machine or size
+        if size % self._local_size:
+            raise ValueError(f"ranks_per_machine={ranks_per_machine} does not divide {size} ranks")
+        # Share each exchange's declarations first: NCCL would wait forever on a mismatch.
+        self.check_neighbors = check_neighbors
+        # MPI communicators are made here, collectively, so no op makes one half-way.
+        self.host = MPIEngine(self.comm, ranks_per_machine, timeline_from_env=False)  # windows
+        self._local_mpi = self.comm.Split(rank // self._local_size, rank)
+        self._cross_mpi = self.comm.Split(rank % self._local_size, rank)
+        if gpu is None:  # the rank's index among the ranks of its physical machine
+            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             gpu = node.Get_rank()
             node.Free()
         gpus = cupy.cuda.runtime.getDeviceCount()
         if gpu >= gpus:
-            raise RuntimeError(
-                f"rank {self.comm.Get_rank()} needs GPU {gpu} but this machine has {gpus}: one rank per GPU"
-            )
+            raise RuntimeError(f"rank {rank} needs GPU {gpu}, but its machine has {gpus}: NCCL runs one rank per GPU")
         self.gpu = gpu
         self.device = torch.device("cuda", gpu)
         torch.cuda.set_device(self.device)
-        self._cupy_device = cupy.cuda.Device(gpu)
-        self._cupy_device.use()
+        cupy.cuda.Device(gpu).use()
         self._cupy_stream = cupy.cuda.Stream(non_blocking=True)
         self.stream = torch.cuda.ExternalStream(self._cupy_stream.ptr, device=self.device)
         self._nccl = self._open_communicator(self.comm)
-        self._sub: dict[str, Any] = {}  # lazily opened machine-local and cross-machine communicators
-        # Host-side partner on the same communicator: windows are host-staged MPI.
-        self.host = MPIEngine(self.comm, ranks_per_machine)
-        self._windows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sub: dict[str, Any] = {}  # NCCL inside the machine / among machines, opened at first use
+        self._closed = False
+        if timeline_from_env:
+            from bfexp.timeline import Timeline
+
+            self.timeline = Timeline.from_env(rank)
+            if self.timeline is not None:
+                atexit.register(self.timeline.save)
 
     @property
     def rank(self) -> int:
@@ -291,17 +312,21 @@ class NCCLEngine(Engine):
 
     def _open_communicator(self, comm: Any) -> Any:
         """An NCCL communicator over the ranks of an MPI communicator (collective over them)."""
-        uid = self._nccl_api.get_unique_id() if comm.Get_rank() == 0 else None
+        uid = self._api.get_unique_id() if comm.Get_rank() == 0 else None
         uid = comm.bcast(uid, root=0)
-        return self._nccl_api.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
+        return self._api.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
 
     def _type(self, dtype: torch.dtype) -> int:
         if dtype not in NCCL_TYPES:
             allowed = ", ".join(str(d).replace("torch.", "") for d in NCCL_TYPES)
             raise TypeError(f"NCCL cannot reduce {dtype}; allowed: {allowed}")
-        return getattr(self._nccl_api, NCCL_TYPES[dtype])
+        return getattr(self._api, NCCL_TYPES[dtype])
 
-    # streams and staging --------------------------------------------------
+    @property
+    def _stream_ptr(self) -> int:
+        return self._cupy_stream.ptr
+
+    # streams, staging, handles ------------------------------------------
     @contextmanager
     def _on_stream(self) -> Iterator[None]:
         """Enqueue on the communication stream, after what the caller queued so far."""
@@ -310,7 +335,11 @@ class NCCLEngine(Engine):
             yield
 
     def _stage(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """One flat GPU buffer of the tensors (no copy for one contiguous GPU tensor); and whether they were on the CPU."""
+        """One flat GPU buffer of the tensors, and whether they came from the CPU.
+
+        No copy for GPU tensors that lie back to back (``fuse``): NCCL reads
+        the caller's memory, so callers leave inputs alone until ``wait``.
+        """
         devices = {t.device for t in tensors}
         if len(devices) != 1:
             raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}; allowed: one")
@@ -325,12 +354,17 @@ class NCCLEngine(Engine):
             raise ValueError(f"tensor on {device}; allowed: cuda or cpu tensors")
         return fuse(tensors).to(self.device), True
 
-    def _handle(self, result: torch.Tensor, like: list[torch.Tensor], single: bool, to_cpu: bool) -> Handle:
-        """Mark the end of what was enqueued; the handle hands ``result`` back shaped like ``like``."""
-        return self._deliver([result], lambda outs: restore(outs[0], like, single), to_cpu)
-
-    def _deliver(self, results: list[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], to_cpu: bool) -> Handle:
-        """Record the end of the enqueued work; ``wait`` passes the results (on the caller's device) to ``build``."""
+    def _deliver(
+        self,
+        op: str,
+        nbytes: int,
+        started: float,
+        results: list[torch.Tensor],
+        build: Callable[[list[torch.Tensor]], Any],
+        to_cpu: bool,
+        **meta: Any,
+    ) -> Handle:
+        """Mark the end of the enqueued work with an event; ``wait`` hands ``build`` the results on the caller's device."""
         event = torch.cuda.Event()
         event.record(self.stream)
 
@@ -347,19 +381,16 @@ class NCCLEngine(Engine):
                 outs.append(out)
             return build(outs)
 
-        return Handle(finish, event.query)
+        return self._track(op, nbytes, started, finish, event.query, **meta)
 
-    def _event_handle(self) -> Handle:
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return Handle(lambda: event.synchronize(), event.query)
-
-    @property
-    def _stream_ptr(self) -> int:
-        return self._cupy_stream.ptr
+    def _deliver_like(
+        self, op: str, nbytes: int, started: float, out: torch.Tensor, like: list[torch.Tensor], single: bool, to_cpu: bool, **meta: Any
+    ) -> Handle:
+        return self._deliver(op, nbytes, started, [out], lambda outs: restore(outs[0], like, single), to_cpu, **meta)
 
     # collectives --------------------------------------------------------
     def iallreduce(self, tensors: TensorOrList, op: str = "avg") -> Handle:
+        started = time.perf_counter()
         self.check_op(op)
         tensors, single = as_list(tensors)
         if op == "avg":
@@ -367,18 +398,19 @@ class NCCLEngine(Engine):
         with self._on_stream():
             flat, to_cpu = self._stage(tensors)
             # Half precision is summed in float32, as the MPI engine does.
-            work = flat.float() if flat.dtype in HALF_TYPES else flat
+            work = flat.float() if flat.dtype in HALF_DTYPES else flat
             out = torch.empty_like(work)
             self._nccl.allReduce(
                 work.data_ptr(), out.data_ptr(), work.numel(), self._type(work.dtype),
-                self._nccl_api.NCCL_SUM, self._stream_ptr,
+                self._api.NCCL_SUM, self._stream_ptr,
             )
             if op == "avg":
                 out.div_(self.size)
             out = out.to(flat.dtype)
-            return self._handle(out, tensors, single, to_cpu)
+            return self._deliver_like("allreduce", payload_bytes(tensors), started, out, tensors, single, to_cpu)
 
     def ibroadcast(self, tensors: TensorOrList, root: int = 0) -> Handle:
+        started = time.perf_counter()
         if not 0 <= root < self.size:
             raise ValueError(f"root={root}; allowed: 0..{self.size - 1}")
         tensors, single = as_list(tensors)
@@ -387,31 +419,35 @@ class NCCLEngine(Engine):
             out = torch.empty_like(flat)
             self._nccl.broadcast(
                 as_bytes(flat).data_ptr(), as_bytes(out).data_ptr(), flat.numel() * flat.element_size(),
-                self._nccl_api.NCCL_UINT8, root, self._stream_ptr,
+                self._api.NCCL_UINT8, root, self._stream_ptr,
             )
-            return self._handle(out, tensors, single, to_cpu)
+            return self._deliver_like("broadcast", payload_bytes(tensors), started, out, tensors, single, to_cpu, root=root)
 
     def ibarrier(self) -> Handle:
         """Every rank has enqueued the barrier: a one-element NCCL allreduce."""
+        started = time.perf_counter()
         with self._on_stream():
             token = torch.zeros(1, device=self.device)
             self._nccl.allReduce(
-                token.data_ptr(), token.data_ptr(), 1, self._nccl_api.NCCL_FLOAT32,
-                self._nccl_api.NCCL_SUM, self._stream_ptr,
+                token.data_ptr(), token.data_ptr(), 1, self._api.NCCL_FLOAT32, self._api.NCCL_SUM, self._stream_ptr
             )
-            return self._event_handle()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return self._track("barrier", 0, started, lambda: event.synchronize(), event.query)
 
     def iallgather(self, tensors: TensorOrList) -> Handle:
-        """Every rank's tensor(s) concatenated along the first dimension in rank order (first dims may differ).
+        """Every rank's tensor(s) concatenated along dim 0 in rank order (dim 0 may differ).
 
-        Shapes are exchanged over MPI first; NCCL then gathers one fused,
-        padded buffer per rank.
+        Shapes travel in the MPI declaration exchange; NCCL then gathers one
+        fused buffer per rank, padded to the longest.
         """
+        started = time.perf_counter()
         tensors, single = as_list(tensors)
-        mine = (tuple(tuple(t.shape) for t in tensors), str(tensors[0].dtype))
-        everyone = self.comm.allgather(mine)
-        check_gather_shapes("allgather", everyone)
-        counts = [sum(_numel(s) for s in shapes) for shapes, _ in everyone]
+        infos = self.comm.allgather(gather_info(tensors))
+        problems = gather_problems(infos, [(j, 0) for j in range(1, self.size)])
+        if problems:
+            raise mismatch_error("allgather", problems)
+        counts = [sum(c * row_numel(t) for c, t in zip(info[3], tensors)) for info in infos]
         with self._on_stream():
             flat, to_cpu = self._stage(tensors)
             width = max(counts)
@@ -422,15 +458,14 @@ class NCCLEngine(Engine):
             gathered = torch.empty((self.size, width), dtype=flat.dtype, device=self.device)
             self._nccl.allGather(
                 as_bytes(send).data_ptr(), as_bytes(gathered).data_ptr(), width * flat.element_size(),
-                self._nccl_api.NCCL_UINT8, self._stream_ptr,
+                self._api.NCCL_UINT8, self._stream_ptr,
             )
-            pieces = split_gathered(list(gathered), [shapes for shapes, _ in everyone])
-            return self._deliver(pieces, lambda outs: outs[0] if single else outs, to_cpu)
+            pieces = split_gathered(list(gathered), [info[3] for info in infos], tensors)
+            return self._deliver(
+                "allgather", payload_bytes(tensors), started, pieces, lambda outs: outs[0] if single else outs, to_cpu
+            )
 
-    def allgather(self, tensors: TensorOrList) -> TensorOrList:
-        return self._timed_wait(self.iallgather(tensors))
-
-    # neighbor exchange --------------------------------------------------
+    # neighbor ops -------------------------------------------------------
     def ineighbor_allreduce(
         self,
         tensors: TensorOrList,
@@ -438,63 +473,62 @@ class NCCLEngine(Engine):
         src_weights: Weights | None = None,
         dst_weights: DstWeights | None = None,
     ) -> Handle:
+        started = time.perf_counter()
         spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
         tensors, single = as_list(tensors)
         check_float(tensors, "neighbor_allreduce")
         if self.check_neighbors:
-            signature = (sum(t.numel() for t in tensors), str(tensors[0].dtype))
-            check_pattern(self.comm, "neighbor_allreduce", spec.dst_weights, spec.src_weights, signature)
+            numel, code = sum(t.numel() for t in tensors), DTYPE_CODES.get(tensors[0].dtype, 0)
+            infos, expects, sends = declare(self.comm, self.size, spec.src_weights, spec.dst_weights, (numel, code))
+            problems = pattern_problems(
+                "neighbor_allreduce", sends, expects, [i[0] for i in infos], [i[1] for i in infos]
+            )
+            if problems:
+                raise mismatch_error("neighbor_allreduce", problems)
         with self._on_stream():
             flat, to_cpu = self._stage(tensors)
-            received = self._exchange(flat, spec.dst_weights, list(spec.src_weights))
-            out = self._combine(flat, spec.self_weight, received, list(spec.src_weights.values()))
-            return self._handle(out, tensors, single, to_cpu)
+            out = self._mix(flat, spec, self._nccl)
+            return self._deliver_like(
+                "neighbor_allreduce", payload_bytes(tensors) * len(spec.dst_weights), started, out, tensors, single,
+                to_cpu, src=sorted(spec.src_weights), dst=sorted(spec.dst_weights),
+            )
 
-    def _exchange(
-        self, flat: torch.Tensor, dst_weights: dict[int, float], sources: list[int], comm: Any = None
-    ) -> list[torch.Tensor]:
-        """Grouped NCCL sends (scaled per destination) and receives; on the communication stream."""
-        payloads = [flat if w == 1.0 else flat * w for w in dst_weights.values()]
+    def _mix(self, flat: torch.Tensor, spec: NeighborSpec, comm: Any) -> torch.Tensor:
+        """Grouped sends (scaled per destination) and receives, then one fused combine; on our stream."""
+        from bfexp.comm.nccl_kernels import weighted_sum
+
+        sources = list(spec.src_weights)
+        payloads = [flat if w == 1.0 else flat * w for w in spec.dst_weights.values()]
         # One allocation; rows start on 16-byte boundaries so the kernel can use vector loads.
         n = flat.numel()
         per_16 = max(1, 16 // flat.element_size())
         inbox = torch.empty((len(sources), -(-n // per_16) * per_16), dtype=flat.dtype, device=self.device)
-        rows = [inbox[i, :n] for i in range(len(sources))]
-        self._send_recv(list(zip(payloads, dst_weights)), list(zip(rows, sources)), comm)
-        return rows
+        received = [inbox[i, :n] for i in range(len(sources))]
+        self._send_recv(list(zip(payloads, spec.dst_weights)), list(zip(received, sources)), comm)
+        out = torch.empty_like(flat)
+        weighted_sum(
+            [as_cupy(flat), *(as_cupy(r) for r in received)],
+            [spec.self_weight, *spec.src_weights.values()],
+            out=as_cupy(out),
+            kind=str(flat.dtype).replace("torch.", ""),
+        )
+        return out
 
     def _send_recv(
-        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], comm: Any = None
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], comm: Any
     ) -> None:
         """Enqueue sends and receives of raw bytes as one NCCL group, so they progress together."""
         if not sends and not recvs:
             return
-        comm = comm or self._nccl
-        uint8 = self._nccl_api.NCCL_UINT8
-        self._nccl_api.groupStart()
+        uint8 = self._api.NCCL_UINT8
+        self._api.groupStart()
         try:
             for buf, peer in sends:
                 comm.send(as_bytes(buf).data_ptr(), buf.numel() * buf.element_size(), uint8, peer, self._stream_ptr)
             for buf, peer in recvs:
                 comm.recv(as_bytes(buf).data_ptr(), buf.numel() * buf.element_size(), uint8, peer, self._stream_ptr)
         finally:
-            self._nccl_api.groupEnd()
-
-    def _combine(
-        self, flat: torch.Tensor, self_weight: float, received: list[torch.Tensor], weights: list[float]
-    ) -> torch.Tensor:
-        """``self_weight * flat + sum_j w_j received_j`` with one fused kernel pass."""
-        from bfexp.comm.nccl_kernels import weighted_sum
-
-        out = torch.empty_like(flat)
-        kind = str(flat.dtype).replace("torch.", "")
-        weighted_sum(
-            [as_cupy(flat), *(as_cupy(r) for r in received)],
-            [self_weight, *weights],
-            out=as_cupy(out),
-            kind=kind,
-        )
-        return out
+            self._api.groupEnd()
 
     def ineighbor_allgather(
         self,
@@ -502,52 +536,36 @@ class NCCLEngine(Engine):
         src_ranks: Sequence[int] | None = None,
         dst_ranks: Sequence[int] | None = None,
     ) -> Handle:
-        """In-neighbors' tensor(s) concatenated along the first dimension, in ascending rank order."""
+        """In-neighbors' tensor(s) concatenated along dim 0 in ascending source rank (dim 0 may differ)."""
+        started = time.perf_counter()
         tensors, single = as_list(tensors)
-        if src_ranks is None or dst_ranks is None:
-            spec = self.neighbor_spec(None, None, None)
-            src_ranks = sorted(spec.src_weights) if src_ranks is None else src_ranks
-            dst_ranks = list(spec.dst_weights) if dst_ranks is None else dst_ranks
-        srcs = sorted(int(r) for r in src_ranks)
-        dsts = [int(r) for r in dst_ranks]
-        for r in srcs + dsts:
-            if not 0 <= r < self.size or r == self.rank:
-                raise ValueError(f"rank {self.rank}: bad neighbor rank {r}; allowed 0..{self.size - 1} except self")
-        # The pattern exchange also tells each receiver the shapes it will get.
-        mine = (tuple(tuple(t.shape) for t in tensors), str(tensors[0].dtype))
-        everyone = check_pattern(self.comm, "neighbor_allgather", dsts, srcs, mine, same_signature=False)
-        check_gather_shapes("neighbor_allgather", everyone)
+        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
+        # Always declared: receivers learn the shapes they will get.
+        infos, expects, sends = declare(self.comm, self.size, srcs, dsts, gather_info(tensors))
+        problems = pattern_problems("neighbor_allgather", sends, expects)
+        problems += gather_problems(infos, [tuple(e) for e in np.argwhere(sends).tolist()])
+        if problems:
+            raise mismatch_error("neighbor_allgather", problems)
         with self._on_stream():
             flat, to_cpu = self._stage(tensors)
-            inbox = [
-                torch.empty(sum(_numel(s) for s in everyone[r][0]), dtype=flat.dtype, device=self.device) for r in srcs
-            ]
-            self._send_recv([(flat, d) for d in dsts], list(zip(inbox, srcs)))
+            width = [sum(c * row_numel(t) for c, t in zip(infos[r][3], tensors)) for r in srcs]
+            inbox = [torch.empty(w, dtype=flat.dtype, device=self.device) for w in width]
+            self._send_recv([(flat, d) for d in dsts], list(zip(inbox, srcs)), self._nccl)
             if srcs:
-                pieces = split_gathered(inbox, [everyone[r][0] for r in srcs])
-            else:  # nobody sends here: empty tensors of the right trailing shape
-                pieces = [torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in tensors]
-            return self._deliver(pieces, lambda outs: outs[0] if single else outs, to_cpu)
+                pieces = split_gathered(inbox, [infos[r][3] for r in srcs], tensors)
+            else:  # nobody sends here: no rows
+                pieces = [torch.empty(rows_shape(t, 0), dtype=t.dtype, device=self.device) for t in tensors]
+            return self._deliver(
+                "neighbor_allgather", payload_bytes(tensors) * len(dsts), started, pieces,
+                lambda outs: outs[0] if single else outs, to_cpu, src=srcs, dst=dsts,
+            )
 
-    def neighbor_allgather(
-        self,
-        tensors: TensorOrList,
-        src_ranks: Sequence[int] | None = None,
-        dst_ranks: Sequence[int] | None = None,
-    ) -> TensorOrList:
-        return self._timed_wait(self.ineighbor_allgather(tensors, src_ranks, dst_ranks))
-
-    # hierarchical -------------------------------------------------------
-    def _machine_communicators(self) -> tuple[Any, Any, Any]:
-        """(NCCL over this machine's ranks, NCCL over the ranks with this local rank, its MPI twin); opened once."""
-        if "local" not in self._sub:
-            local = self.comm.Split(color=self.machine, key=self.local_rank)
-            cross = self.comm.Split(color=self.local_rank, key=self.machine)
-            self._sub["local"] = self._open_communicator(local)
-            self._sub["cross"] = self._open_communicator(cross)
-            self._cross_mpi = cross
-            local.Free()
-        return self._sub["local"], self._sub["cross"], self._cross_mpi
+    def _machine_communicators(self) -> tuple[Any, Any]:
+        """NCCL over this machine's ranks and over the ranks with this local rank (one per machine)."""
+        if not self._sub:
+            self._sub["local"] = self._open_communicator(self._local_mpi)
+            self._sub["cross"] = self._open_communicator(self._cross_mpi)
+        return self._sub["local"], self._sub["cross"]
 
     def ihierarchical_neighbor_allreduce(
         self,
@@ -558,129 +576,118 @@ class NCCLEngine(Engine):
     ) -> Handle:
         """Average inside each machine, mix the machine averages among machines, spread back.
 
-        Weights are per machine (as neighbor_allreduce's are per rank). Every
-        local rank carries 1/local_size of the machine average to the same
-        local rank of the neighbor machines (reduce-scatter inside the
+        Every local rank carries 1/local_size of the machine average to the
+        same local rank of the neighbor machines (reduce-scatter inside the
         machine, exchange, fused combine, allgather inside the machine), so
         all of a machine's links share the traffic.
         """
-        if self_weight is None or src_machine_weights is None or dst_machine_weights is None:
-            raise ValueError("hierarchical_neighbor_allreduce needs self_weight, src_machine_weights and dst_machine_weights")
-        src = {int(k): float(v) for k, v in src_machine_weights.items()}
-        dst = normalize_dst(dst_machine_weights) or {}
-        for m in list(src) + list(dst):
-            if not 0 <= m < self.machines or m == self.machine:
-                raise ValueError(
-                    f"rank {self.rank}: bad neighbor machine {m}; allowed 0..{self.machines - 1} except own machine {self.machine}"
-                )
+        started = time.perf_counter()
+        spec = self.machine_spec(self_weight, src_machine_weights, dst_machine_weights)
         tensors, single = as_list(tensors)
         check_float(tensors, "hierarchical_neighbor_allreduce")
-        local, cross, cross_mpi = self._machine_communicators()
-        L = self.local_size
         if self.check_neighbors:
-            signature = (sum(t.numel() for t in tensors), str(tensors[0].dtype))
-            check_pattern(cross_mpi, "hierarchical_neighbor_allreduce (machines)", dst, src, signature, unit="machine")
+            info = (sum(t.numel() for t in tensors), DTYPE_CODES.get(tensors[0].dtype, 0))
+            infos, expects, sends = declare(self.comm, self.machines, spec.src_weights, spec.dst_weights, info)
+            problems = machine_problems(infos, expects, sends, self.local_size)
+            if problems:
+                raise mismatch_error("hierarchical_neighbor_allreduce", problems)
+        local, cross = self._machine_communicators()
+        L = self.local_size
         with self._on_stream():
             flat, to_cpu = self._stage(tensors)
-            work_dtype = torch.float32 if flat.dtype in HALF_TYPES else flat.dtype
+            work_dtype = torch.float32 if flat.dtype in HALF_DTYPES else flat.dtype
             chunk = -(-flat.numel() // L)
             padded = torch.zeros(chunk * L, dtype=work_dtype, device=self.device)
             padded[: flat.numel()] = flat
             mine = torch.empty(chunk, dtype=work_dtype, device=self.device)
             nccl_type = self._type(work_dtype)
-            local.reduceScatter(
-                padded.data_ptr(), mine.data_ptr(), chunk, nccl_type, self._nccl_api.NCCL_SUM, self._stream_ptr
-            )
-            mine.div_(L)  # this rank's slice of the machine average
-            received = self._exchange(mine, dst, list(src), comm=cross)
-            mixed = self._combine(mine, float(self_weight), received, list(src.values()))
+            local.reduceScatter(padded.data_ptr(), mine.data_ptr(), chunk, nccl_type, self._api.NCCL_SUM, self._stream_ptr)
+            mine.div_(L)  # this rank's slice of its machine's average
+            mixed = self._mix(mine, spec, cross)  # the cross communicator's ranks are the machines
             local.allGather(mixed.data_ptr(), padded.data_ptr(), chunk, nccl_type, self._stream_ptr)
             out = padded[: flat.numel()].to(flat.dtype)
-            return self._handle(out, tensors, single, to_cpu)
+            return self._deliver_like(
+                "hierarchical_neighbor_allreduce", payload_bytes(tensors), started, out, tensors, single, to_cpu,
+                src_machines=sorted(spec.src_weights), dst_machines=sorted(spec.dst_weights),
+            )
 
-    def hierarchical_neighbor_allreduce(
+    # windows: host-staged MPI (see the module doc) -------------------------
+    def win_create(
         self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
-    ) -> TensorOrList:
-        return self._timed_wait(
-            self.ihierarchical_neighbor_allreduce(tensors, self_weight, src_machine_weights, dst_machine_weights)
+        tensor: torch.Tensor,
+        name: str,
+        src_ranks: Sequence[int] | None = None,
+        dst_ranks: Sequence[int] | None = None,
+        zero_init: bool = True,
+        weight: float = 1.0,
+    ) -> torch.Tensor:
+        """Collective: a window in host memory; returns its live own value (a CPU tensor)."""
+        if src_ranks is None or dst_ranks is None:  # the host engine has no topology of its own
+            src_ranks, dst_ranks = self.neighbor_ranks(src_ranks, dst_ranks)
+        return self._blocking(
+            "win_create", lambda: self.host.win_create(_to_host(tensor), name, src_ranks, dst_ranks, zero_init, weight)
         )
 
-    # windows: host-staged MPI -------------------------------------------
-    def _to_host(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.detach().cpu() if value.is_cuda else value
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(self._to_host(v) for v in value)
-        return value
+    def win_free(self, name: str | None = None) -> None:
+        self._blocking("win_free", lambda: self.host.win_free(name))
 
-    def _to_device(self, value: Any, device: torch.device) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(self._to_device(v, device) for v in value)
-        return value
+    def win_tensor(self, name: str) -> torch.Tensor:
+        return self.host.win_tensor(name)
 
-    def _host_window_call(self, op: str, args: tuple, kwargs: dict) -> Any:
-        """Run the MPI engine's window op on host copies; results and the window's own tensor come back."""
-        values = [*args, *kwargs.values()]
-        names = [v for v in values if isinstance(v, str)]
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        name = names[0] if names else None
-        host_args = tuple(self._to_host(a) for a in args)
-        host_kwargs = {k: self._to_host(v) for k, v in kwargs.items()}
-        if op == "win_create" and name is not None and tensors:
-            # Keep the host copy MPI updates in place, and the GPU tensor it mirrors.
-            self._windows[name] = (tensors[0], next(a for a in (*host_args, *host_kwargs.values()) if isinstance(a, torch.Tensor)))
-        device = self._windows[name][0].device if name in self._windows else (tensors[0].device if tensors else self.device)
-        result = getattr(self.host, op)(*host_args, **host_kwargs)
+    def win_weight(self, name: str) -> float:
+        return self.host.win_weight(name)
 
-        def back(value: Any) -> Any:
-            if op.endswith("win_free"):
-                self._windows.pop(name, None)
-            if name in self._windows and isinstance(value, torch.Tensor):
-                mirror, host = self._windows[name]
-                if value.data_ptr() == host.data_ptr():  # MPI updated the window's own tensor in place
-                    mirror.copy_(value)
-                    return mirror
-            return self._to_device(value, device)
+    def _window_handle(self, op: str, name: str, started: float, peers: int, handle: Handle) -> Handle:
+        own = self.host.win_tensor(name)
+        return self._track(op, own.numel() * own.element_size() * peers, started, handle.wait, handle.done, window=name)
 
-        if isinstance(result, Handle):
-            return Handle(lambda: back(result.wait()), result.done)
-        return back(result)
+    def iwin_put(
+        self,
+        tensor: torch.Tensor | None,
+        name: str,
+        self_weight: float | None = None,
+        dst_weights: DstWeights | None = None,
+    ) -> Handle:
+        started = time.perf_counter()
+        handle = self.host.iwin_put(_to_host(tensor), name, self_weight, dst_weights)
+        return self._window_handle("win_put", name, started, len(dst_weights or ()), handle)
+
+    def iwin_accumulate(
+        self,
+        tensor: torch.Tensor | None,
+        name: str,
+        self_weight: float | None = None,
+        dst_weights: DstWeights | None = None,
+    ) -> Handle:
+        started = time.perf_counter()
+        handle = self.host.iwin_accumulate(_to_host(tensor), name, self_weight, dst_weights)
+        return self._window_handle("win_accumulate", name, started, len(dst_weights or ()), handle)
+
+    def iwin_get(self, name: str, src_weights: Weights | None = None) -> Handle:
+        started = time.perf_counter()
+        handle = self.host.iwin_get(name, src_weights)
+        return self._window_handle("win_get", name, started, len(src_weights or ()), handle)
+
+    def iwin_update(
+        self,
+        name: str,
+        self_weight: float | None = None,
+        src_weights: Weights | None = None,
+        reset: bool = False,
+    ) -> Handle:
+        started = time.perf_counter()
+        return self._window_handle("win_update", name, started, 0, self.host.iwin_update(name, self_weight, src_weights, reset))
 
     # lifecycle ----------------------------------------------------------
     def close(self) -> None:
-        comms = [self.__dict__.pop("_nccl", None), *self.__dict__.get("_sub", {}).values()]
+        """Free windows and communicators (collective: every rank calls it). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cupy_stream.synchronize()
+        for c in (self._nccl, *self._sub.values()):
+            c.destroy()
         self._sub = {}
-        if comms and comms[0] is not None:
-            self._cupy_stream.synchronize()
-        for c in comms:
-            if c is not None:
-                c.destroy()
-
-
-def _window_method(op: str) -> Callable[..., Any]:
-    def method(self: NCCLEngine, *args: Any, **kwargs: Any) -> Any:
-        return self._host_window_call(op, args, kwargs)
-
-    method.__name__ = op
-    method.__qualname__ = f"NCCLEngine.{op}"
-    method.__doc__ = f"Host-staged MPI: ``MPIEngine.{op}`` on host copies; tensors come back to the GPU."
-    return method
-
-
-def _install_window_methods() -> None:
-    """Every window op of the MPI engine, host-staged (NCCL has no one-sided transfers)."""
-    from bfexp.comm.mpi import MPIEngine
-
-    for op in dir(MPIEngine):
-        if op.startswith(WINDOW_PREFIXES) and callable(getattr(MPIEngine, op)):
-            setattr(NCCLEngine, op, _window_method(op))
-    abc.update_abstractmethods(NCCLEngine)
-
-
-_install_window_methods()
+        self.host.close()
+        for c in (self._local_mpi, self._cross_mpi):
+            c.Free()
