@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from bfexp.comm.engine import (
+    CODE_DTYPES,
     DTYPE_CODES,
     HALF_DTYPES,
     DstWeights,
@@ -200,7 +201,9 @@ def machine_problems(
     problems = []
     for r, info in enumerate(infos):
         if info != infos[0]:
-            problems.append(f"rank {r} has {info[0]} elements of dtype code {info[1]}, rank 0 has {infos[0][0]} of {infos[0][1]}")
+            problems.append(
+                f"rank {r} has {info[0]} x {CODE_DTYPES.get(info[1])}, rank 0 has {infos[0][0]} x {CODE_DTYPES.get(infos[0][1])}"
+            )
             break
     for r in range(len(infos)):
         lead = r - r % local_size
