@@ -268,7 +268,8 @@ def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], no
         f"{len(jobs)} job{'s' if len(jobs) != 1 else ''}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
     ]
     if table.swept:
-        lines.append(f"Swept: {', '.join(f'`{k}`' for k in table.swept)}.")
+        what = "Swept" if len(jobs) > 1 else "Overrides"
+        lines.append(f"{what}: {', '.join(f'`{k}`' for k in table.swept)}.")
     fixed = fixed_overrides(jobs)
     if fixed:
         lines.append("Fixed overrides: " + " ".join(f"`{k}={v}`" for k, v in fixed.items()) + ".")
@@ -490,7 +491,9 @@ class Plotter:
             ax.plot(list(base), list(base.values()), ls="--", marker="s", color="0.4", label="allreduce baseline")
         ax.axhline(1.0, ls=":", color="black", label="ideal (linear scaling)")
         ax.set_ylabel("scaling efficiency (1 = linear)")
-        ax.set_ylim(bottom=0)
+        # Headroom above the ideal line so neither it nor points at 1 hide under the frame or legend.
+        highest = max([1.0, *base.values(), *(v for pts, _ in series.values() for vs in pts.values() for v in vs)])
+        ax.set_ylim(0, highest * 1.25)
         self.rank_axis(ax, all_ranks)
         ax.set_title(f"Scaling efficiency{self.time_source()}: throughput / (ranks × single-rank throughput)",
                      fontsize=11)
@@ -573,8 +576,10 @@ class Plotter:
             ax.plot(*zip(*positive), marker=".", ms=3, lw=1.2, ls=["-", "--", "-.", ":"][i % 4],
                     color=self.colors.get(series_label(job, self.swept)), label=job_label(job, self.swept))
             drawn += 1
-        if not drawn and not zero:
-            self.notes.append("No consensus plot: no completed job logged consensus_distance.")
+        if not drawn:
+            self.notes.append("No consensus plot: " + (
+                "every completed job kept identical models (consensus distance 0 at every logged step)."
+                if zero else "no completed job logged consensus_distance."))
             return
         ax.set_yscale("log")
         ax.set_xlabel("step")
@@ -587,9 +592,6 @@ class Plotter:
         if zero:
             note = "Not drawn (zero at every logged step: all ranks hold the same model): " + "; ".join(zero[:4])
             note += " ..." if len(zero) > 4 else ""
-            if not drawn:
-                ax.text(0.5, 0.5, "every completed job kept identical models\n(consensus distance 0)",
-                        ha="center", va="center", transform=ax.transAxes)
         self.footnote(fig, note)
         self.save(fig, "consensus_distance.png")
 
@@ -644,7 +646,8 @@ def print_report(report: Report) -> None:
 
     from rich.console import Console
 
-    table = render_table(report.table, f"{report.root}: {len(report.jobs)} jobs")
+    n = len(report.jobs)
+    table = render_table(report.table, f"{report.root}: {n} job{'s' if n != 1 else ''}")
     # A terminal fits the table to its width; a pipe or log file (80 columns by default)
     # gets it at full width rather than squeezed into unreadable fragments.
     if console.is_terminal:

@@ -179,27 +179,27 @@ def test_report_command_rejects_a_folder_without_jobs(tmp_path):
 
 def test_real_sweep_writes_the_report_with_a_failed_job(bfexp):
     """bfexp -m through the real CLI: the report lands in the sweep folder when the sweep ends.
-    Rank 2 fails at step 2; only the 3-rank job has a rank 2."""
-    proc = bfexp("-m", "ranks=1,2,3", "fail_rank=2", "fail_step=2", "steps=6", "log_every=2", f"engine={ENGINE}",
+    Rank 4 fails at step 2; only the 5-rank job has a rank 4."""
+    proc = bfexp("-m", "ranks=1,4,5", "fail_rank=4", "fail_step=2", "steps=6", "log_every=2", f"engine={ENGINE}",
                  "hydra.sweep.dir=sweep", timeout=300)
     assert proc.returncode == 1, proc.stderr  # a job failed
     sweep = bfexp.cwd / "sweep"
     rows = read_csv(sweep / "report.csv")
-    assert [(r["ranks"], r["status"]) for r in rows] == [("1", "completed"), ("2", "completed"), ("3", "failed")]
-    assert rows[2]["error"].startswith("rank 2: RuntimeError: injected failure")
+    assert [(r["ranks"], r["status"]) for r in rows] == [("1", "completed"), ("4", "completed"), ("5", "failed")]
+    assert rows[2]["error"].startswith("rank 4: RuntimeError: injected failure")
     for row in rows[:2]:
         assert row["steps"] == "6" and float(row["final_accuracy"]) > 0 and float(row["throughput_samples_per_s"]) > 0
     pngs = sorted(sweep.glob("*.png"))
     assert {p.name for p in pngs} == {"scaling_efficiency.png", "throughput.png", "consensus_distance.png",
-                                      "training_ranks1.png", "training_ranks2.png"}
+                                      "training_ranks1.png", "training_ranks4.png"}
     for png in pngs:
         data = png.read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > MIN_PNG_BYTES, png.name
     md = (sweep / "report.md").read_text()
     assert "Swept: `ranks`." in md
-    assert f"Fixed overrides: `fail_rank=2` `fail_step=2` `steps=6` `log_every=2` `engine={ENGINE}`." in md
+    assert f"Fixed overrides: `fail_rank=4` `fail_step=2` `steps=6` `log_every=2` `engine={ENGINE}`." in md
     left_out = md.split("## Left out of the plots", 1)[1].split("##")[0].strip().splitlines()
-    assert len(left_out) == 1 and left_out[0].startswith("- `2_") and ": failed: rank 2: RuntimeError" in left_out[0]
+    assert len(left_out) == 1 and left_out[0].startswith("- `2_") and ": failed: rank 4: RuntimeError" in left_out[0]
     # The table printed at the end, and the plain progress lines (stdout is a pipe here).
     assert "report: sweep/report.md (5 plots, report.csv)" in proc.stdout
     assert "step 6/6" in proc.stdout and "eta" in proc.stdout
