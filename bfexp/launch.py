@@ -367,7 +367,20 @@ def choose_engine(cfg: Any) -> tuple[str, str]:
     limit = f"{slots} processor slots x engine.slots_factor={factor:g} = {slots * factor:g}"
     if ranks <= slots * factor:
         return "mpi", f"ranks={ranks} fit {limit}{gpu_note}"
+    if not runs_on_threads(cfg.algorithm.name):
+        return "mpi", f"ranks={ranks} exceed {limit}, but algorithm={cfg.algorithm.name} needs a process per rank{gpu_note}"
     return "threads", f"ranks={ranks} exceed {limit}{gpu_note}"
+
+
+def runs_on_threads(algorithm: str) -> bool:
+    """Whether an algorithm can run as virtual ranks (ddp needs one process per rank)."""
+    from bfexp.algorithms import algorithm_class
+
+    try:
+        algorithm_class(algorithm).check_engine("threads")
+    except ValueError:
+        return False
+    return True
 
 
 def with_engine(cfg: Any, name: str) -> Any:

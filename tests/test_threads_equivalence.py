@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bfexp.cli import group_options
-from bfexp.comm.threads import binomial_tree_sum, run_threads
+from bfexp.comm.threads import run_threads
 from tests.mpi_helpers import run_ranks
 
 RANKS, STEPS, TOL = 5, 50, 1e-6
@@ -63,7 +63,8 @@ for case, path in cases.items():
 e = MPIEngine()
 g = torch.Generator().manual_seed(11 + e.rank)
 x = torch.randn(1000, generator=g) * 10.0 ** (e.rank % 4)
-out["allreduce_sum_bits"] = e.allreduce(x, op="sum").view(torch.int32).tolist()
+out["blocking_sum_bits"] = e.allreduce(x, op="sum").view(torch.int32).tolist()
+out["nonblocking_sum_bits"] = e.iallreduce(x, op="sum").wait().view(torch.int32).tolist()
 emit(out)
 """
 
@@ -123,17 +124,23 @@ def test_threads_train_like_mpi(runs, case):
         assert abs(a["loss"] - b["loss"]) <= TOL and abs(a["consensus_distance"] - b["consensus_distance"]) <= TOL
 
 
-def test_allreduce_sums_in_mpi_order(runs):
-    """Bit for bit: the threads engine adds in Open MPI's binomial-tree order."""
-    xs = []
+def test_allreduce_adds_in_mpi_order(runs):
+    """Bit for bit, in Open MPI's orders for 5 ranks: recursive doubling (blocking), binomial tree (nonblocking)."""
+    x = []
     for r in range(RANKS):
         g = torch.Generator().manual_seed(11 + r)
-        xs.append(torch.randn(1000, generator=g) * 10.0 ** (r % 4))
-    sequential = xs[0].clone()
-    for x in xs[1:]:
-        sequential += x
-    from_threads = run_threads(RANKS, lambda e: e.allreduce(xs[e.rank].clone(), op="sum"))
-    mpi_bits = runs["mpi"][0]["allreduce_sum_bits"]
-    assert from_threads[0].view(torch.int32).tolist() == mpi_bits
-    assert binomial_tree_sum(xs).view(torch.int32).tolist() == mpi_bits
-    assert sequential.view(torch.int32).tolist() != mpi_bits, "the data must make the order matter"
+        x.append(torch.randn(1000, generator=g) * 10.0 ** (r % 4))
+    doubling = ((x[0] + x[1]) + x[2]) + (x[3] + x[4])  # fold 0+1, then a tree over 4 values
+    binomial = ((x[0] + x[1]) + (x[2] + x[3])) + x[4]  # pairs, pairs of pairs, then the odd one
+    sequential = (((x[0] + x[1]) + x[2]) + x[3]) + x[4]
+    assert len({tuple(t.view(torch.int32).tolist()) for t in (doubling, binomial, sequential)}) == 3, \
+        "the data must make the order matter"
+
+    def both(engine):
+        mine = x[engine.rank].clone()
+        return engine.allreduce(mine, op="sum"), engine.iallreduce(mine, op="sum").wait()
+
+    blocking, nonblocking = run_threads(RANKS, both)[0]
+    mpi = runs["mpi"][0]
+    assert mpi["blocking_sum_bits"] == doubling.view(torch.int32).tolist() == blocking.view(torch.int32).tolist()
+    assert mpi["nonblocking_sum_bits"] == binomial.view(torch.int32).tolist() == nonblocking.view(torch.int32).tolist()

@@ -2,59 +2,78 @@
 
 128 MPI processes that each import torch do not fit a laptop; 128 threads
 sharing one torch do. Each thread runs the very same worker, algorithm and
-topology code through a ThreadsEngine, so the same seed gives the same
-numbers as on MPI:
+topology code through a ThreadsEngine, and the same seed gives the same
+numbers as on MPI, to the bit where MPI's order is known:
 
-* neighbor ops combine in exactly the MPI engine's order
-  (``x * self_weight``, then ``add_`` of each source in ``src_weights``
-  order), and a sender scales what it sends exactly as MPI's sender does,
-  so the results are bit-identical;
-* allreduce sums in the order of Open MPI's binomial tree (ranks in pairs,
-  then pairs of pairs), the algorithm behind the MPI engine's in-place
-  Iallreduce; half precision is summed in float32 as the MPI engine does.
+* neighbor ops scale what a sender sends and combine what a receiver got
+  exactly as the MPI engine does (``x * self_weight``, then ``add_`` of each
+  source in ``src_weights`` order);
+* allreduce adds in Open MPI's orders: recursive doubling for the blocking
+  form (the MPI engine calls the tuned ``Allreduce``), the binomial tree for
+  the nonblocking one (libnbc's in-place ``Iallreduce``); half precision is
+  reduced in float32 as there.
 
-Coordination is one lock and one condition variable per rank, so a sender
-wakes only the ranks it wrote to. Every rank numbers its collectives and its
-point-to-point exchanges; all ranks issue operations in the same order (the
-MPI contract), so the numbers pair the calls up. What MPI would do on a
-broken program, this engine turns into a clear error instead of a hang:
+Coordination is one lock and one condition variable per rank. Every rank
+numbers its collectives and its exchanges; all ranks issue operations in
+the same order (the MPI contract), so the numbers pair the calls up. Sends
+are snapshots taken at the call. Like the MPI engine, every exchange
+gathers every rank's declaration (sources, destinations, sizes, dtype) and
+checks the whole table with the contract's own check before any receive
+completes, so where MPI would hang this engine raises:
 
-* a neighbor pattern that does not match (rank 3 expects from 1, 1 does not
-  send to 3) is found when the second of the two ranks posts, and raises a
-  CommError on every rank;
-* a rank that waits for a rank that has already returned raises CommError;
+* a declaration mismatch (rank 3 expects from 1, 1 does not send to 3)
+  raises the same CommError, with the same words, on every rank, and the
+  engine stays usable;
+* when every live rank waits and none can proceed (operations called in
+  different orders), or a rank waits for a rank that has already returned,
+  every rank raises CommError saying who waits for whom;
 * a rank thread that raises aborts the world: every rank blocked in (or
-  later entering) the engine raises RankAborted naming the failed rank, so no
-  thread is left running.
+  later entering) the engine raises RankAborted naming the failed rank, so
+  no thread is left running.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
 import threading
+import time
 import traceback
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO
 
+import numpy as np
 import torch
 
 from bfexp.comm.engine import (
+    DTYPE_CODES,
+    HALF_DTYPES,
     CommError,
     DstWeights,
     Engine,
     Handle,
+    NeighborSpec,
     TensorOrList,
     Weights,
     as_list,
     check_float,
+    copy_back,
+    first_dims,
     fuse,
+    is_view_of,
+    mismatch_error,
+    normalize_dst,
+    pattern_problems,
     restore,
+    rows_shape,
+    shape_signature,
+    weighted_combine_,
 )
 
-# How often a blocked rank re-checks for ranks that returned without it (seconds).
+# How often a blocked rank re-checks the world (seconds); hangs are found by
+# the deadlock check, this only bounds how late a signal-driven abort is seen.
 POLL_S = 0.5
 
 _current = threading.local()
@@ -69,16 +88,15 @@ class RankAborted(RuntimeError):
     """Raised in a rank thread because another rank failed or the job was stopped."""
 
 
-# ------------------------------------------------------------------ reductions
+# ------------------------------------------------------------------ summation orders
 
 
 def binomial_tree_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum in the order of Open MPI's binomial-tree allreduce (libnbc, which
-    serves the MPI engine's in-place Iallreduce at every size).
+    """Sum in the order of Open MPI's binomial-tree allreduce (libnbc's in-place Iallreduce).
 
-    Round r adds rank i + 2^(r-1) into rank i for i divisible by 2^r, so
-    ranks pair up, then pairs of pairs; an unpaired partial waits for a
-    later round. IEEE addition is commutative, so this gives MPI's bits.
+    Ranks pair up (0+1, 2+3, ...), then pairs of pairs; an unpaired partial
+    waits for a later round. IEEE addition is commutative, so this is MPI's
+    result to the bit. Always a new tensor.
     """
     level = list(values)
     if len(level) == 1:
@@ -88,9 +106,26 @@ def binomial_tree_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return level[0]
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+def recursive_doubling_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum in the order of Open MPI's recursive-doubling allreduce (the tuned blocking Allreduce).
+
+    With p the largest power of two <= n, ranks 2k and 2k+1 (k < n - p) fold
+    first; the p partials are then summed as a balanced binary tree.
+    """
+    n = len(values)
+    if n == 1:
+        return values[0].clone()
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    level = [values[2 * k] + values[2 * k + 1] for k in range(extra)] + list(values[2 * extra :])
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half precision is reduced in float32, as the MPI engine does."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
 # ------------------------------------------------------------------ shared state
@@ -98,10 +133,10 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class _Collective:
-    """One collective call, matched across the ranks of a group by its sequence number."""
+    """One collective call, matched across the members of a group by its sequence number."""
 
     kind: str
-    detail: Any  # what every rank must agree on (op, root, element count ...)
+    detail: Any  # what every member must agree on (op, root, ...)
     members: tuple[int, ...]
     inputs: dict[int, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -112,16 +147,59 @@ class _Collective:
 
 @dataclass
 class _Exchange:
-    """The declarations of one point-to-point exchange, checked pairwise as ranks post."""
+    """One exchange: every rank's declaration (as the MPI engine gathers them) and the verdict."""
 
-    kind: str
-    posted: dict[int, tuple[frozenset, frozenset]] = field(default_factory=dict)  # rank -> (srcs, dsts)
-    sends_to: dict[int, set] = field(default_factory=dict)  # rank -> posted ranks sending to it
-    expects_from: dict[int, set] = field(default_factory=dict)  # rank -> posted ranks expecting from it
+    op: str
+    units: int  # ranks, or machines for hierarchical ops
+    check: Callable[[np.ndarray, np.ndarray, np.ndarray], list[str]]  # (headers, expects, sends) -> problems
+    declared: dict[int, tuple[list[int], list[int], tuple[int, ...]]] = field(default_factory=dict)
+    checked: bool = False
+    problems: list[str] = field(default_factory=list)
+    table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    received: int = 0
+
+    def verdict(self, size: int) -> None:
+        """All declared: build the table (one row per rank) and run the op's check once."""
+        headers = np.array([self.declared[r][2] for r in range(size)], np.int64)
+        expects = np.zeros((size, self.units), bool)
+        sends = np.zeros((size, self.units), bool)
+        for r in range(size):
+            srcs, dsts, _ = self.declared[r]
+            expects[r, srcs] = True
+            sends[r, dsts] = True
+        self.table = (headers, expects, sends)
+        self.problems = self.check(headers, expects, sends)
+        self.checked = True
+
+
+@dataclass
+class _RankWindow:
+    """One rank's part of a window: own value and one slot per in-neighbor, each with a push-sum weight."""
+
+    name: str
+    own: torch.Tensor
+    weight: float
+    srcs: list[int]
+    dsts: list[int]
+    slots: dict[int, torch.Tensor]
+    slot_weights: dict[int, float]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def numel(self) -> int:
+        return self.own.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.own.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.own.numel() * self.own.element_size()
 
 
 class ThreadWorld:
-    """What the virtual ranks of one job share: mailboxes, collectives, windows, failure."""
+    """What the virtual ranks of one job share: collectives, mailboxes, windows, failure."""
 
     def __init__(self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S) -> None:
         if size < 1:
@@ -134,9 +212,10 @@ class ThreadWorld:
         self.lock = threading.Lock()
         self._wake = [threading.Condition(self.lock) for _ in range(size)]
         self._collectives: dict[tuple, _Collective] = {}
-        self._mail: dict[tuple[int, int, int], Any] = {}  # (dst, src, tag) -> payload
         self._exchanges: dict[int, _Exchange] = {}
-        self.windows: dict[str, Any] = {}
+        self._mail: dict[tuple[int, int, int], Any] = {}  # (dst, src, exchange number) -> payload
+        self._waiting: dict[int, tuple[Callable[[], bool], Callable[[], list], str]] = {}
+        self.windows: dict[str, dict[int, _RankWindow]] = {}
         self._failure: BaseException | None = None
         self._returned: set[int] = set()
         # Rank threads (when started through ``start``) and what they left.
@@ -160,7 +239,7 @@ class ThreadWorld:
         for c in self._wake:
             c.notify_all()
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
         exc = self._failure
         if exc is None:
             return
@@ -169,9 +248,8 @@ class ThreadWorld:
         raise RankAborted(str(exc))
 
     def _comm_error(self, message: str) -> CommError:
-        """Record a broken communication pattern for every rank; return the error to raise here."""
-        exc = CommError(message)
-        self._fail_locked(exc)
+        """A hang found: every rank will raise it; return the error to raise here."""
+        self._fail_locked(CommError(message))
         return CommError(message)
 
     def rank_returned(self, rank: int) -> None:
@@ -181,19 +259,45 @@ class ThreadWorld:
             for c in self._wake:
                 c.notify_all()
 
-    def wait(self, rank: int, ready: Callable[[], bool], missing: Callable[[], Iterable[int]], what: str) -> None:
-        """Block rank ``rank`` until ``ready()``; raise instead of hanging. Caller holds ``lock``."""
-        while True:
-            self._raise_if_failed()
-            if ready():
-                return
-            gone = sorted(q for q in missing() if q in self._returned)
-            if gone:
-                raise self._comm_error(
-                    f"rank {rank}: {what} waits for rank {gone[0]}, which has already returned "
-                    f"(the ranks did not call the same operations)"
-                )
-            self._wake[rank].wait(self.poll_s)
+    def wait(self, rank: int, ready: Callable[[], bool], missing: Callable[[], list], what: str) -> None:
+        """Block ``rank`` until ``ready()``; raise instead of hanging. Caller holds ``lock``.
+
+        Hangs are found, not timed out: a rank waiting for one that has
+        returned, or every live rank waiting with none ready, is a CommError
+        for every rank.
+        """
+        self._waiting[rank] = (ready, missing, what)
+        try:
+            while True:
+                self.raise_if_failed()
+                if ready():
+                    return
+                gone = sorted(q for q in missing() if q in self._returned)
+                if gone:
+                    raise self._comm_error(
+                        f"rank {rank}: {what} waits for rank {gone[0]}, which has already returned "
+                        "(the ranks did not call the same operations)"
+                    )
+                if self._deadlocked():
+                    raise self._comm_error(
+                        f"deadlock: {self._describe_waits()} (the ranks called operations in different orders)"
+                    )
+                self._wake[rank].wait(self.poll_s)
+        finally:
+            del self._waiting[rank]
+
+    def _deadlocked(self) -> bool:
+        if len(self._waiting) + len(self._returned) < self.size:
+            return False  # some rank still runs and may post what the others wait for
+        return not any(ready() for ready, _, _ in self._waiting.values())
+
+    def _describe_waits(self) -> str:
+        parts = []
+        for r in sorted(self._waiting)[:4]:
+            _, missing, what = self._waiting[r]
+            parts.append(f"rank {r} waits in {what} for rank {', '.join(map(str, sorted(missing())[:3]))}")
+        more = len(self._waiting) - 4
+        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
     def notify(self, ranks: Iterable[int]) -> None:
         """Wake the given ranks (caller holds ``lock``)."""
@@ -201,17 +305,19 @@ class ThreadWorld:
             self._wake[r].notify_all()
 
     # collectives -----------------------------------------------------------
-    def post_collective(self, key: tuple, kind: str, detail: Any, members: tuple[int, ...], rank: int, value: Any) -> _Collective:
+    def post_collective(
+        self, key: tuple, kind: str, detail: Any, members: tuple[int, ...], rank: int, value: Any
+    ) -> _Collective:
         with self.lock:
-            self._raise_if_failed()
+            self.raise_if_failed()
             slot = self._collectives.get(key)
             if slot is None:
                 slot = self._collectives[key] = _Collective(kind, detail, members)
             elif (slot.kind, slot.detail) != (kind, detail):
                 other = next(iter(slot.inputs), "?")
                 raise self._comm_error(
-                    f"collective #{key[-1]} does not match: rank {rank} called {kind}({_fmt(detail)}) "
-                    f"but rank {other} called {slot.kind}({_fmt(slot.detail)})"
+                    f"collective #{key[-1]} does not match: rank {rank} called {kind}{_fmt(detail)} "
+                    f"but rank {other} called {slot.kind}{_fmt(slot.detail)}"
                 )
             slot.inputs[rank] = value
             if len(slot.inputs) == len(members):
@@ -219,6 +325,7 @@ class ThreadWorld:
             return slot
 
     def finish_collective(self, key: tuple, slot: _Collective, rank: int, compute: Callable[[dict], Any]) -> Any:
+        """Wait for every member; the first to get here computes, the others reuse the result."""
         with self.lock:
             self.wait(
                 rank,
@@ -226,7 +333,7 @@ class ThreadWorld:
                 lambda: [m for m in slot.members if m not in slot.inputs],
                 slot.kind,
             )
-        with slot.lock:  # the first rank to finish computes, the others reuse it
+        with slot.lock:
             if not slot.computed:
                 slot.result = compute(slot.inputs)
                 slot.computed = True
@@ -238,70 +345,61 @@ class ThreadWorld:
 
     def collective_ready(self, slot: _Collective) -> bool:
         with self.lock:
-            self._raise_if_failed()
+            self.raise_if_failed()
             return len(slot.inputs) == len(slot.members)
 
-    # point to point ----------------------------------------------------------
-    def post_exchange(self, rank: int, tag: int, kind: str, srcs: Iterable[int], sends: dict[int, Any]) -> None:
-        """Check rank's declaration against the ranks that already posted this exchange, then deliver its sends."""
-        srcs, dsts = frozenset(srcs), frozenset(sends)
+    # exchanges -----------------------------------------------------------
+    def post_exchange(
+        self,
+        number: int,
+        rank: int,
+        op: str,
+        units: int,
+        declaration: tuple[list[int], list[int], tuple[int, ...]],
+        check: Callable[[np.ndarray, np.ndarray, np.ndarray], list[str]],
+        sends: dict[int, Any],
+    ) -> _Exchange:
+        """Declare rank's part of exchange ``number`` and deliver its sends; the last rank to declare checks the table."""
         with self.lock:
-            self._raise_if_failed()
-            ex = self._exchanges.get(tag)
+            self.raise_if_failed()
+            ex = self._exchanges.get(number)
             if ex is None:
-                ex = self._exchanges[tag] = _Exchange(kind)
-            elif ex.kind != kind:
-                other = next(iter(ex.posted), "?")
+                ex = self._exchanges[number] = _Exchange(op, units, check)
+            elif ex.op != op:
+                other = next(iter(ex.declared), "?")
                 raise self._comm_error(
-                    f"exchange #{tag} does not match: rank {rank} called {kind} but rank {other} called {ex.kind}"
+                    f"exchange #{number} does not match: rank {rank} called {op} but rank {other} called {ex.op}"
                 )
-            problem = self._pattern_problem(ex, rank, srcs, dsts)
-            if problem:
-                raise self._comm_error(f"neighbor pattern mismatch in {kind}: {problem}")
-            ex.posted[rank] = (srcs, dsts)
-            for k in dsts:
-                ex.sends_to.setdefault(k, set()).add(rank)
-            for j in srcs:
-                ex.expects_from.setdefault(j, set()).add(rank)
-            if len(ex.posted) == self.size:
-                del self._exchanges[tag]
+            ex.declared[rank] = declaration
             for dst, payload in sends.items():
-                self._mail[(dst, rank, tag)] = payload
-            self.notify(dsts)
+                self._mail[(dst, rank, number)] = payload
+            if len(ex.declared) == self.size:
+                ex.verdict(self.size)
+                self.notify(range(self.size))
+            return ex
 
-    @staticmethod
-    def _pattern_problem(ex: _Exchange, r: int, srcs: frozenset, dsts: frozenset) -> str | None:
-        """Whichever of two mismatched ranks posts second finds the mismatch."""
-        for q in sorted(srcs):
-            if q in ex.posted and r not in ex.posted[q][1]:
-                return f"rank {r} expects a message from rank {q}, but rank {q} does not send to rank {r}"
-        for q in sorted(dsts):
-            if q in ex.posted and r not in ex.posted[q][0]:
-                return f"rank {r} sends to rank {q}, but rank {q} does not expect a message from rank {r}"
-        for q in sorted(ex.sends_to.get(r, ())):
-            if q not in srcs:
-                return f"rank {q} sends to rank {r}, but rank {r} does not expect a message from rank {q}"
-        for q in sorted(ex.expects_from.get(r, ())):
-            if q not in dsts:
-                return f"rank {q} expects a message from rank {r}, but rank {r} does not send to rank {q}"
-        return None
-
-    def receive(self, rank: int, tag: int, srcs: Sequence[int], what: str) -> dict[int, Any]:
-        """Block until every source's message for this exchange arrived; take them out of the mailbox."""
-        keys = [(rank, s, tag) for s in srcs]
+    def receive(self, rank: int, number: int, ex: _Exchange, srcs: Sequence[int]) -> dict[int, Any]:
+        """Wait for the verdict; raise it when the declarations disagree, else take this rank's messages."""
         with self.lock:
             self.wait(
                 rank,
-                lambda: all(k in self._mail for k in keys),
-                lambda: [k[1] for k in keys if k not in self._mail],
-                what,
+                lambda: ex.checked,
+                lambda: [r for r in range(self.size) if r not in ex.declared],
+                ex.op,
             )
-            return {k[1]: self._mail.pop(k) for k in keys}
+            ex.received += 1
+            if ex.received == self.size:
+                self._exchanges.pop(number, None)
+            if ex.problems:  # drop whatever reached us: the engine stays usable
+                for key in [k for k in self._mail if k[0] == rank and k[2] == number]:
+                    del self._mail[key]
+                raise mismatch_error(ex.op, ex.problems)
+            return {s: self._mail.pop((rank, s, number)) for s in srcs}
 
-    def arrived(self, rank: int, tag: int, srcs: Sequence[int]) -> bool:
+    def exchange_ready(self, ex: _Exchange) -> bool:
         with self.lock:
-            self._raise_if_failed()
-            return all((rank, s, tag) in self._mail for s in srcs)
+            self.raise_if_failed()
+            return ex.checked
 
     # running ranks -----------------------------------------------------------
     def start(
@@ -345,12 +443,9 @@ class ThreadWorld:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds in all for every rank thread; True when all have ended."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self.threads:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            t.join(remaining)
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 return False
         return True
@@ -361,9 +456,11 @@ class ThreadWorld:
 
 
 def _fmt(detail: Any) -> str:
+    if detail is None:
+        return "()"
     if isinstance(detail, tuple):
-        return ", ".join(map(str, detail))
-    return "" if detail is None else str(detail)
+        return "(" + ", ".join(map(str, detail)) + ")"
+    return f"({detail})"
 
 
 def run_threads(
@@ -374,7 +471,7 @@ def run_threads(
 ) -> list[Any]:
     """Run ``target(engine)`` on ``size`` virtual ranks; return each rank's result.
 
-    Re-raises the first rank's own failure (not the RankAborted of the
+    Re-raises the lowest rank's own failure (not the RankAborted of the
     others). For scripts and tests; the launcher adds logs and signals.
     """
     world = ThreadWorld(size, ranks_per_machine)
@@ -384,10 +481,9 @@ def run_threads(
         world.join(10.0)
         raise TimeoutError(f"virtual ranks {world.alive()} still running after {timeout} s")
     own = {r: e for r, e in world.errors.items() if not isinstance(e, RankAborted)}
-    if own:
-        raise next(iter(sorted(own.items())))[1]
-    if world.errors:
-        raise next(iter(sorted(world.errors.items())))[1]
+    for errors in (own, world.errors):
+        if errors:
+            raise errors[min(errors)]
     return [world.results.get(r) for r in range(size)]
 
 
@@ -457,7 +553,7 @@ def routed_output(log_dir: Path) -> Iterator[None]:
 
 
 class ThreadsEngine(Engine):
-    """One virtual rank's view of a ThreadWorld."""
+    """One virtual rank's view of a ThreadWorld: the Engine contract, tensors moved in memory."""
 
     name = "threads"
 
@@ -468,8 +564,11 @@ class ThreadsEngine(Engine):
         self.world = world
         self._rank = rank
         self._local_size = world.local_size
-        self._collective_seq: dict[tuple[int, ...], int] = {}
-        self._tags = itertools.count(1)
+        # How many collectives (per group) and exchanges this rank has issued:
+        # every rank issues operations in one order, so the numbers pair calls up.
+        self._collective_seq: dict[Any, int] = {}
+        self._exchange_seq = 0
+        self._windows: dict[str, _RankWindow] = {}
 
     @property
     def rank(self) -> int:
@@ -480,9 +579,6 @@ class ThreadsEngine(Engine):
         return self.world.size
 
     # plumbing ------------------------------------------------------------
-    def _members(self, group: tuple[int, ...] | None) -> tuple[int, ...]:
-        return tuple(range(self.size)) if group is None else group
-
     def _collective(
         self,
         kind: str,
@@ -491,93 +587,125 @@ class ThreadsEngine(Engine):
         compute: Callable[[dict], Any],
         deliver: Callable[[Any], Any],
         group: tuple[int, ...] | None = None,
-    ) -> Handle:
-        """Post this rank's part; the handle waits for every member, computes once, delivers per rank."""
-        members = self._members(group)
-        seq = self._collective_seq.get(members, 0) + 1
-        self._collective_seq[members] = seq
-        key = (members, seq) if group is not None else ("world", seq)
+    ) -> tuple[Callable[[], Any], Callable[[], bool]]:
+        """Post this rank's part; return (wait, ready): wait for every member, compute once, deliver."""
+        members = tuple(range(self.size)) if group is None else group
+        name = "world" if group is None else group
+        seq = self._collective_seq.get(name, 0) + 1
+        self._collective_seq[name] = seq
+        key = (name, seq)
         world, rank = self.world, self._rank
         slot = world.post_collective(key, kind, detail, members, rank, value)
+        return (lambda: deliver(world.finish_collective(key, slot, rank, compute))), (lambda: world.collective_ready(slot))
 
-        def finish() -> Any:
-            return deliver(world.finish_collective(key, slot, rank, compute))
-
-        return Handle(finish, lambda: world.collective_ready(slot))
-
-    def _exchange(self, kind: str, srcs: Sequence[int], sends: dict[int, Any], combine: Callable[[dict], Any]) -> Handle:
-        """Post sends (already snapshots: the caller may change its tensors) and return a handle on the receives."""
-        tag = next(self._tags)
+    def _exchange(
+        self,
+        op: str,
+        units: int,
+        srcs: Sequence[int],
+        dsts: Sequence[int],
+        header: tuple[int, ...],
+        check: Callable[[np.ndarray, np.ndarray, np.ndarray], list[str]],
+        sends: dict[int, Any],
+        recv_from: Sequence[int],
+    ) -> tuple[Callable[[], dict], Callable[[], bool], _Exchange]:
+        """Declare (srcs, dsts in ``units``; header), deliver ``sends`` (global ranks); return (receive, ready, exchange)."""
+        self._exchange_seq += 1
+        number = self._exchange_seq
         world, rank = self.world, self._rank
-        srcs = list(srcs)
-        world.post_exchange(rank, tag, kind, srcs, sends)
-        return Handle(
-            lambda: combine(world.receive(rank, tag, srcs, kind)),
-            lambda: world.arrived(rank, tag, srcs),
-        )
-
-    @staticmethod
-    def _own_buffer(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """A buffer the caller does not own (fuse returns a view for one contiguous tensor)."""
-        return flat.clone() if flat.data_ptr() == tensors[0].data_ptr() else flat
+        ex = world.post_exchange(number, rank, op, units, (list(srcs), list(dsts), header), check, sends)
+        return (lambda: world.receive(rank, number, ex, recv_from)), (lambda: world.exchange_ready(ex)), ex
 
     # collectives --------------------------------------------------------
     def iallreduce(self, tensors: TensorOrList, op: str = "avg") -> Handle:
+        return self._allreduce(tensors, op, inplace=False, order=binomial_tree_sum)
+
+    def iallreduce_(self, tensors: TensorOrList, op: str = "avg") -> Handle:
+        return self._allreduce(tensors, op, inplace=True, order=binomial_tree_sum)
+
+    def allreduce(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
+        # MPI's blocking form runs Open MPI's tuned algorithm: recursive doubling here.
+        return self._blocking("allreduce", lambda: self._allreduce(tensors, op, False, recursive_doubling_sum).wait())
+
+    def allreduce_(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
+        return self._blocking("allreduce_", lambda: self._allreduce(tensors, op, True, recursive_doubling_sum).wait())
+
+    def _allreduce(
+        self, tensors: TensorOrList, op: str, inplace: bool, order: Callable[[Sequence[torch.Tensor]], torch.Tensor]
+    ) -> Handle:
+        started = time.perf_counter()
         self.check_op(op)
         tensors, single = as_list(tensors)
         if op == "avg":
             check_float(tensors, "allreduce(op='avg')")
-        out = self._own_buffer(fuse(tensors), tensors)
-        size = self.size
+        flat = fuse(tensors)
+        view = is_view_of(flat, tensors)
+        # What this rank contributes must not change before every rank has read it.
+        mine = flat.to(work_dtype(flat.dtype), copy=True) if view or flat.dtype in HALF_DTYPES else flat
+        n = self.size
 
         def compute(inputs: dict) -> torch.Tensor:
-            work = _work_dtype(out.dtype)
-            total = binomial_tree_sum([inputs[r].to(work) for r in sorted(inputs)])
-            if op == "avg":
-                total = total.div_(size)
-            return total
+            total = order([inputs[r] for r in range(n)])
+            return total.div_(n) if op == "avg" and n > 1 else total
 
         def deliver(total: torch.Tensor) -> TensorOrList:
+            out = flat if (inplace or not view) else torch.empty_like(flat)
             out.copy_(total)
-            return restore(out, tensors, single)
+            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
 
-        return self._collective("allreduce", (op, out.numel(), out.dtype), out, compute, deliver)
+        wait, ready = self._collective("allreduce", (op, flat.numel(), str(flat.dtype)), mine, compute, deliver)
+        return self._track("allreduce", _nbytes(flat), started, wait, ready, reduce=op)
 
     def ibroadcast(self, tensors: TensorOrList, root: int = 0) -> Handle:
+        return self._broadcast(tensors, root, inplace=False)
+
+    def ibroadcast_(self, tensors: TensorOrList, root: int = 0) -> Handle:
+        return self._broadcast(tensors, root, inplace=True)
+
+    def _broadcast(self, tensors: TensorOrList, root: int, inplace: bool) -> Handle:
+        started = time.perf_counter()
+        if not 0 <= root < self.size:
+            raise ValueError(f"root={root}; allowed 0..{self.size - 1}")
         tensors, single = as_list(tensors)
-        self._check_rank(root, "root")
-        out = self._own_buffer(fuse(tensors), tensors)
-        value = out if self._rank == root else None
+        flat = fuse(tensors)
+        view = is_view_of(flat, tensors)
+        value = flat.clone() if self._rank == root else None
 
         def deliver(source: torch.Tensor) -> TensorOrList:
-            if self._rank != root:
-                out.copy_(source)
-            return restore(out, tensors, single)
+            out = flat if (inplace or not view) else torch.empty_like(flat)
+            out.copy_(source)
+            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
 
-        return self._collective(
-            "broadcast", (root, out.numel(), out.dtype), value, lambda inputs: inputs[root], deliver
-        )
+        wait, ready = self._collective("broadcast", (root, flat.numel(), str(flat.dtype)), value, lambda i: i[root], deliver)
+        return self._track("broadcast", _nbytes(flat), started, wait, ready, root=root)
 
     def ibarrier(self) -> Handle:
-        return self._collective("barrier", None, None, lambda inputs: None, lambda _: None)
+        started = time.perf_counter()
+        wait, ready = self._collective("barrier", None, None, lambda inputs: None, lambda _: None)
+        return self._track("barrier", 0, started, wait, ready)
 
     def iallgather(self, tensors: TensorOrList) -> Handle:
-        """Every rank's tensor(s) concatenated along the first dimension, in rank order (first dims may differ)."""
+        """Every rank's tensor(s) along dim 0 in rank order; first dims may differ."""
+        started = time.perf_counter()
         tensors, single = as_list(tensors)
-        mine = [t.detach().clone() for t in tensors]
+        head = (len(tensors), DTYPE_CODES.get(tensors[0].dtype, 0), shape_signature(tensors))
+        mine = (head, [t.detach().reshape(rows_shape(t, d)).clone() for t, d in zip(tensors, first_dims(tensors))])
+        me = self._rank
 
-        def compute(inputs: dict) -> list[torch.Tensor]:
-            return [torch.cat([inputs[r][i] for r in sorted(inputs)]) for i in range(len(mine))]
-
-        def deliver(gathered: list[torch.Tensor]) -> TensorOrList:
-            parts = [g.clone() for g in gathered]
+        def deliver(inputs: dict) -> TensorOrList:
+            for r in range(self.size):
+                theirs = inputs[r][0]
+                if theirs != head:  # the MPI engine's check and words, raised on every rank
+                    raise CommError(
+                        f"allgather: rank {r} gives {theirs[0]} tensor(s) of {_dtype_name(theirs[1])} "
+                        f"(trailing shapes #{theirs[2]}), rank {me} gives {head[0]} of "
+                        f"{_dtype_name(head[1])} (#{head[2]}); allowed: the same list, only first dims may differ"
+                    )
+            parts = [torch.cat([inputs[r][1][i] for r in range(self.size)]) for i in range(len(tensors))]
             return parts[0] if single else parts
 
-        detail = (len(mine), tuple(str(t.dtype) for t in mine), tuple(tuple(t.shape[1:]) for t in mine))
-        return self._collective("allgather", detail, mine, compute, deliver)
-
-    def allgather(self, tensors: TensorOrList) -> TensorOrList:
-        return self._timed_wait(self.iallgather(tensors))
+        wait, ready = self._collective("allgather", None, mine, lambda inputs: inputs, deliver)
+        return self._track("allgather", _nbytes_list(tensors), started, wait, ready)
 
     # neighbor exchange --------------------------------------------------
     def ineighbor_allreduce(
@@ -587,27 +715,51 @@ class ThreadsEngine(Engine):
         src_weights: Weights | None = None,
         dst_weights: DstWeights | None = None,
     ) -> Handle:
+        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=False)
+
+    def ineighbor_allreduce_(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None = None,
+        src_weights: Weights | None = None,
+        dst_weights: DstWeights | None = None,
+    ) -> Handle:
+        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=True)
+
+    def _neighbor_allreduce(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None,
+        src_weights: Weights | None,
+        dst_weights: DstWeights | None,
+        inplace: bool,
+    ) -> Handle:
+        started = time.perf_counter()
+        op = "neighbor_allreduce"
         spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
         tensors, single = as_list(tensors)
-        check_float(tensors, "neighbor_allreduce")
+        check_float(tensors, op)
         flat = fuse(tensors)
-        # Snapshots, scaled like the MPI engine's sends: receivers read them after we return.
-        unscaled = None
-        sends = {}
-        for dst, w in spec.dst_weights.items():
-            if w == 1.0:
-                unscaled = flat.clone() if unscaled is None else unscaled
-                sends[dst] = unscaled
-            else:
-                sends[dst] = flat * w
+        view = is_view_of(flat, tensors)
+        meta = {"src": sorted(spec.src_weights), "dst": sorted(spec.dst_weights)}
 
-        def combine(received: dict) -> TensorOrList:
-            out = flat * spec.self_weight
-            for src, w in spec.src_weights.items():
-                out.add_(received[src], alpha=w)
-            return restore(out, tensors, single)
+        def combine(received: dict[int, torch.Tensor]) -> TensorOrList:
+            pairs = [(received[s], w) for s, w in spec.src_weights.items()]
+            if view and not inplace:  # the caller's memory: combine into a new tensor
+                out = weighted_combine_(flat * spec.self_weight, 1.0, pairs)
+            else:  # our fused copy, or the caller asked for in place
+                out = weighted_combine_(flat, spec.self_weight, pairs)
+            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
 
-        return self._exchange("neighbor_allreduce", list(spec.src_weights), sends, combine)
+        if self.size == 1:
+            return self._track(op, _nbytes(flat), started, lambda: combine({}), **meta)
+        receive, ready, _ = self._exchange(
+            op, self.size, list(spec.src_weights), list(spec.dst_weights),
+            (flat.numel(), DTYPE_CODES.get(flat.dtype, 0), 1, 0),
+            lambda h, e, s: pattern_problems(op, s, e, h[:, 0], h[:, 1]),
+            _scaled_sends(flat, spec.dst_weights), list(spec.src_weights),
+        )
+        return self._track(op, _nbytes(flat), started, lambda: combine(receive()), ready, **meta)
 
     def ineighbor_allgather(
         self,
@@ -615,33 +767,350 @@ class ThreadsEngine(Engine):
         src_ranks: Sequence[int] | None = None,
         dst_ranks: Sequence[int] | None = None,
     ) -> Handle:
-        """In-neighbors' tensor(s) concatenated along the first dimension, in ascending rank order."""
+        started = time.perf_counter()
+        op = "neighbor_allgather"
+        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
         tensors, single = as_list(tensors)
-        if src_ranks is None or dst_ranks is None:
-            spec = self.neighbor_spec(None, None, None)
-            src_ranks = sorted(spec.src_weights) if src_ranks is None else src_ranks
-            dst_ranks = list(spec.dst_weights) if dst_ranks is None else dst_ranks
-        for r in list(src_ranks) + list(dst_ranks):
-            self._check_rank(r, "neighbor rank", allow_self=False)
-        snapshot = [t.detach().clone() for t in tensors]
-        srcs = sorted(int(s) for s in src_ranks)
+        meta = {"src": srcs, "dst": dsts}
+        snapshot = [t.detach().reshape(rows_shape(t, d)).clone() for t, d in zip(tensors, first_dims(tensors))]
 
-        def combine(received: dict) -> TensorOrList:
-            parts = [torch.cat([received[s][i] for s in srcs]) for i in range(len(tensors))]
-            return parts[0] if single else parts
+        def assemble(received: dict[int, list[torch.Tensor]]) -> TensorOrList:
+            out = []
+            for i, t in enumerate(tensors):
+                pieces = [received[s][i] for s in srcs]
+                out.append(torch.cat(pieces) if pieces else torch.empty(rows_shape(t, 0), dtype=t.dtype))
+            return out[0] if single else out
 
-        return self._exchange("neighbor_allgather", srcs, {int(d): snapshot for d in dst_ranks}, combine)
+        if self.size == 1:
+            return self._track(op, _nbytes_list(tensors), started, lambda: assemble({}), **meta)
+        receive, ready, _ = self._exchange(
+            op, self.size, srcs, dsts,
+            (sum(t.numel() for t in tensors), DTYPE_CODES.get(tensors[0].dtype, 0), len(tensors), shape_signature(tensors)),
+            lambda h, e, s: _gather_problems(op, h, e, s), {d: snapshot for d in dsts}, srcs,
+        )
+        return self._track(op, _nbytes_list(tensors), started, lambda: assemble(receive()), ready, **meta)
 
-    def neighbor_allgather(
+    # hierarchical -------------------------------------------------------
+    def ihierarchical_neighbor_allreduce(
         self,
         tensors: TensorOrList,
+        self_weight: float | None = None,
+        src_machine_weights: Weights | None = None,
+        dst_machine_weights: DstWeights | None = None,
+    ) -> Handle:
+        return self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=False)
+
+    def ihierarchical_neighbor_allreduce_(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None = None,
+        src_machine_weights: Weights | None = None,
+        dst_machine_weights: DstWeights | None = None,
+    ) -> Handle:
+        return self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=True)
+
+    def _hierarchical(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None,
+        src_weights: Weights | None,
+        dst_weights: DstWeights | None,
+        inplace: bool,
+    ) -> Handle:
+        """The machine average (taken at the call: it needs only this machine's ranks), then
+        each local rank mixes it with the same local rank of the neighbor machines."""
+        from bfexp.comm.mpi import _machine_problems  # the MPI engine's check and words
+
+        started = time.perf_counter()
+        op = "hierarchical_neighbor_allreduce"
+        spec = self.machine_spec(self_weight, src_weights, dst_weights)
+        tensors, single = as_list(tensors)
+        check_float(tensors, op)
+        flat = fuse(tensors)
+        view = is_view_of(flat, tensors)
+        L, lr, machine = self.local_size, self.local_rank, self.machine
+        meta = {"src_machines": sorted(spec.src_weights), "dst_machines": sorted(spec.dst_weights)}
+        local = tuple(range(machine * L, (machine + 1) * L))
+        average = self._collective(
+            "machine average", (flat.numel(), str(flat.dtype)), flat.to(work_dtype(flat.dtype), copy=True),
+            lambda inputs: binomial_tree_sum([inputs[r] for r in local]).div_(L), lambda total: total.clone(), local,
+        )[0]()
+        peer = {m: m * L + lr for m in range(self.machines)}  # this local rank on every machine
+
+        def combine(received: dict[int, torch.Tensor]) -> TensorOrList:
+            mixed = weighted_combine_(average, spec.self_weight, [(received[peer[m]], w) for m, w in spec.src_weights.items()])
+            out = flat if (inplace or not view) else torch.empty_like(flat)
+            out.copy_(mixed)
+            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
+
+        receive, ready, _ = self._exchange(
+            op, self.machines, list(spec.src_weights), list(spec.dst_weights),
+            (flat.numel(), DTYPE_CODES.get(flat.dtype, 0), 1, 0),
+            lambda h, e, s: _machine_problems(op, h, e, s, L),
+            {peer[m]: payload for m, payload in _scaled_sends(average, spec.dst_weights).items()},
+            [peer[m] for m in spec.src_weights],
+        )
+        return self._track(op, _nbytes(flat), started, lambda: combine(receive()), ready, **meta)
+
+    # windows ------------------------------------------------------------
+    def win_create(
+        self,
+        tensor: torch.Tensor,
+        name: str,
         src_ranks: Sequence[int] | None = None,
         dst_ranks: Sequence[int] | None = None,
-    ) -> TensorOrList:
-        return self._timed_wait(self.ineighbor_allgather(tensors, src_ranks, dst_ranks))
+        zero_init: bool = True,
+        weight: float = 1.0,
+    ) -> torch.Tensor:
+        if name in self._windows:
+            raise ValueError(f"window {name!r} exists; free it first (win_free)")
+        check_float([tensor], "win_create")
+        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
+        flat = tensor.detach().contiguous().view(-1)
+        return self._blocking("win_create", lambda: self._win_create(name, flat, srcs, dsts, zero_init, weight))
 
-    # helpers ------------------------------------------------------------
-    def _check_rank(self, r: int, what: str, allow_self: bool = True) -> None:
-        if not 0 <= r < self.size or (not allow_self and r == self._rank):
-            extra = "" if allow_self else " except self"
-            raise ValueError(f"rank {self._rank}: bad {what} {r}; allowed 0..{self.size - 1}{extra}")
+    def _win_create(
+        self, name: str, flat: torch.Tensor, srcs: list[int], dsts: list[int], zero_init: bool, weight: float
+    ) -> torch.Tensor:
+        # Collective check first: both sides of every edge and the window's name must agree.
+        signature = zlib.crc32(name.encode())
+        receive, _, ex = self._exchange(
+            "win_create", self.size, srcs, dsts, (flat.numel(), DTYPE_CODES.get(flat.dtype, 0), 1, signature),
+            lambda h, e, s: pattern_problems("win_create", s, e, h[:, 0], h[:, 1]), {}, [],
+        )
+        with contextlib.suppress(CommError):
+            receive()  # waits for every declaration; the problems are reported below, with the name's
+        problems = list(ex.problems)
+        assert ex.table is not None
+        if (ex.table[0][:, 3] != signature).any():
+            problems.append(f"ranks disagree on the window name (this rank: {name!r})")
+        if problems:
+            raise mismatch_error(f"win_create({name!r})", problems)
+        w = _RankWindow(
+            name, flat.clone(), float(weight), srcs, dsts,
+            {s: torch.zeros_like(flat) for s in srcs}, {s: 0.0 for s in srcs},
+        )
+        with self.world.lock:
+            self.world.windows.setdefault(name, {})[self._rank] = w
+        self._windows[name] = w
+        self.barrier()  # every window made before anyone reaches into one
+        if not zero_init:
+            self._win_get(w, {s: 1.0 for s in srcs})
+            self.barrier()
+        return w.own
+
+    def win_free(self, name: str | None = None) -> None:
+        names = sorted(self._windows) if name is None else [name]
+        for nm in names:
+            self._window(nm)
+            self._windows.pop(nm)
+            self.barrier()  # collective, as MPI's Win_free: nobody reaches into a freed window
+            with self.world.lock:
+                ranks = self.world.windows.get(nm, {})
+                ranks.pop(self._rank, None)
+                if not ranks:
+                    self.world.windows.pop(nm, None)
+
+    def win_tensor(self, name: str) -> torch.Tensor:
+        return self._window(name).own
+
+    def win_weight(self, name: str) -> float:
+        return float(self._window(name).weight)
+
+    def _window(self, name: str) -> _RankWindow:
+        try:
+            return self._windows[name]
+        except KeyError:
+            raise ValueError(f"no window {name!r}; created: {sorted(self._windows) or 'none'}") from None
+
+    def _peer_window(self, name: str, rank: int) -> _RankWindow:
+        with self.world.lock:
+            self.world.raise_if_failed()
+            return self.world.windows[name][rank]
+
+    def _window_op(self, op: str, nbytes: int, started: float, fn: Callable[[], Any], **meta: Any) -> Handle:
+        """Window ops complete at the call (memory is shared); the handle reports them."""
+        result = fn()
+        return self._track(op, nbytes, started, lambda: result, None, **meta)
+
+    def _check_targets(self, w: _RankWindow, ranks: Sequence[int], allowed: list[int], role: str, op: str) -> None:
+        for r in ranks:
+            if r not in allowed:
+                raise ValueError(
+                    f"rank {self._rank}: {op} on window {w.name!r} with rank {r}, which is not one of its {role} {allowed}"
+                )
+
+    def _payload(self, w: _RankWindow, tensor: torch.Tensor | None, op: str) -> torch.Tensor:
+        if tensor is None:
+            return w.own
+        if tensor.dtype != w.dtype or tensor.numel() != w.numel:
+            raise ValueError(
+                f"{op} on window {w.name!r}: got {tensor.numel()} x {tensor.dtype}, the window holds {w.numel} x {w.dtype}"
+            )
+        return tensor.detach().contiguous().view(-1)
+
+    def iwin_put(
+        self,
+        tensor: torch.Tensor | None,
+        name: str,
+        self_weight: float | None = None,
+        dst_weights: DstWeights | None = None,
+    ) -> Handle:
+        return self._push(tensor, name, self_weight, dst_weights, accumulate=False)
+
+    def iwin_accumulate(
+        self,
+        tensor: torch.Tensor | None,
+        name: str,
+        self_weight: float | None = None,
+        dst_weights: DstWeights | None = None,
+    ) -> Handle:
+        return self._push(tensor, name, self_weight, dst_weights, accumulate=True)
+
+    def _push(
+        self,
+        tensor: torch.Tensor | None,
+        name: str,
+        self_weight: float | None,
+        dst_weights: DstWeights | None,
+        accumulate: bool,
+    ) -> Handle:
+        started = time.perf_counter()
+        op = "win_accumulate" if accumulate else "win_put"
+        w = self._window(name)
+        dst = normalize_dst(dst_weights)
+        dst = {d: 1.0 for d in w.dsts} if dst is None else dst
+        self._check_targets(w, list(dst), w.dsts, "destinations", op)
+        x = self._payload(w, tensor, op)
+        return self._window_op(
+            op, w.row_bytes * len(dst), started, lambda: self._win_push(w, x, dst, self_weight, accumulate),
+            dst=sorted(dst), window=name,
+        )
+
+    def _win_push(
+        self, w: _RankWindow, x: torch.Tensor, dst: dict[int, float], self_weight: float | None, accumulate: bool
+    ) -> None:
+        p = w.weight
+        for d, weight in dst.items():
+            payload = x if weight == 1.0 else x * weight
+            target = self._peer_window(w.name, d)
+            with target.lock:  # data and weight move together
+                slot = target.slots[self._rank]
+                if accumulate:
+                    if w.dtype in HALF_DTYPES:  # added in float32, as the MPI engine does
+                        slot.copy_((slot.float() + payload.float()).to(w.dtype))
+                    else:
+                        slot.add_(payload)
+                    target.slot_weights[self._rank] += p * weight
+                else:
+                    slot.copy_(payload)
+                    target.slot_weights[self._rank] = p * weight
+        if self_weight is not None:
+            with w.lock:
+                if x.data_ptr() == w.own.data_ptr():
+                    w.own.mul_(self_weight)
+                else:
+                    torch.mul(x, self_weight, out=w.own)
+                w.weight = p * self_weight
+
+    def iwin_get(self, name: str, src_weights: Weights | None = None) -> Handle:
+        started = time.perf_counter()
+        w = self._window(name)
+        src = {s: 1.0 for s in w.srcs} if src_weights is None else {int(k): float(v) for k, v in src_weights.items()}
+        self._check_targets(w, list(src), w.srcs, "sources", "win_get")
+        return self._window_op(
+            "win_get", w.row_bytes * len(src), started, lambda: self._win_get(w, src), src=sorted(src), window=name
+        )
+
+    def _win_get(self, w: _RankWindow, src: dict[int, float]) -> None:
+        for s, weight in src.items():
+            source = self._peer_window(w.name, s)
+            with source.lock:
+                fetched, fw = source.own.clone(), source.weight
+            with w.lock:
+                torch.mul(fetched, weight, out=w.slots[s])
+                w.slot_weights[s] = fw * weight
+
+    def iwin_update(
+        self,
+        name: str,
+        self_weight: float | None = None,
+        src_weights: Weights | None = None,
+        reset: bool = False,
+    ) -> Handle:
+        started = time.perf_counter()
+        w = self._window(name)
+        if (self_weight is None) != (src_weights is None):
+            raise ValueError("give self_weight and src_weights together, or neither")
+        if src_weights is None:
+            uniform = 1.0 / (1 + len(w.srcs))
+            self_weight, src_weights = uniform, {s: uniform for s in w.srcs}
+        src = {int(k): float(v) for k, v in src_weights.items()}
+        self._check_targets(w, list(src), w.srcs, "sources", "win_update")
+        return self._window_op(
+            "win_update", 0, started, lambda: self._win_update(w, float(self_weight), src, reset), window=name
+        )
+
+    def _win_update(self, w: _RankWindow, self_weight: float, src: dict[int, float], reset: bool) -> torch.Tensor:
+        with w.lock:
+            weighted_combine_(w.own, self_weight, [(w.slots[s], weight) for s, weight in src.items()])
+            w.weight = self_weight * w.weight + sum(weight * w.slot_weights[s] for s, weight in src.items())
+            if reset:
+                for s in src:
+                    w.slots[s].zero_()
+                    w.slot_weights[s] = 0.0
+        return w.own
+
+    # lifecycle ----------------------------------------------------------
+    def close(self) -> None:
+        """Drop this rank's windows (not collective: a failing rank thread calls it too)."""
+        with self.world.lock:
+            for name in self._windows:
+                self.world.windows.get(name, {}).pop(self._rank, None)
+        self._windows.clear()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _nbytes_list(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _dtype_name(code: int) -> str:
+    from bfexp.comm.engine import CODE_DTYPES
+
+    return str(CODE_DTYPES.get(int(code), f"dtype#{code}")).replace("torch.", "")
+
+
+def _scaled_sends(flat: torch.Tensor, dst_weights: dict[int, float]) -> dict[int, torch.Tensor]:
+    """What each destination gets, scaled as the MPI engine's sender scales it.
+
+    Snapshots: receivers read them after the sender's call returned. All
+    unscaled destinations share one copy.
+    """
+    unscaled = None
+    sends = {}
+    for dst, w in dst_weights.items():
+        if w == 1.0:
+            unscaled = flat.clone() if unscaled is None else unscaled
+            sends[dst] = unscaled
+        else:
+            sends[dst] = flat * w
+    return sends
+
+
+def _gather_problems(op: str, headers: np.ndarray, expects: np.ndarray, sends: np.ndarray) -> list[str]:
+    """neighbor_allgather: the edges, the dtype, and the list shape (only first dims may differ)."""
+    problems = pattern_problems(op, sends, expects, None, headers[:, 1])
+    for i, j in np.argwhere(sends.T & expects).tolist():
+        if (headers[i, 2:] != headers[j, 2:]).any():
+            problems.append(
+                f"rank {j} sends {headers[j, 2]} tensor(s) of trailing shapes #{headers[j, 3]} to rank {i}, "
+                f"which has {headers[i, 2]} of #{headers[i, 3]} (only first dims may differ)"
+            )
+    return problems

@@ -1,0 +1,90 @@
+"""engine=threads and engine=auto through the real CLI: the same files, statuses and failures as MPI."""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from bfexp.launch import choose_engine, processor_slots
+from tests.conftest import BFEXP
+
+
+def summary_of(run):
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_threads_job_writes_what_an_mpi_job_writes(bfexp):
+    proc = bfexp("engine=threads", "ranks=16", "steps=30", "log_every=10", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    run = bfexp.cwd / "run"
+    summary = summary_of(run)
+    assert (summary["status"], summary["engine"], summary["ranks"], summary["steps"]) == ("completed", "threads", 16, 30)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30]
+    assert OmegaConf.load(run / "config.yaml").engine.name == "threads"
+    assert "completed" in proc.stdout
+
+
+def test_a_failing_rank_thread_fails_the_job_naming_the_rank(bfexp):
+    proc = bfexp("engine=threads", "ranks=6", "fail_rank=3", "fail_step=5", "steps=1000000", "log_every=1",
+                 "hydra.run.dir=run", timeout=120)
+    assert proc.returncode == 1
+    run = bfexp.cwd / "run"
+    summary = summary_of(run)
+    assert summary["status"] == "failed" and summary["engine"] == "threads"
+    assert summary["error"].startswith("rank 3: RuntimeError: injected failure"), summary["error"]
+    assert [p.name for p in (run / "errors").iterdir()] == ["rank3.json"], "the others only followed it down"
+
+
+def test_sigterm_stops_every_rank_thread(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(BFEXP + ["engine=threads", "ranks=8", "steps=100000000", "log_every=1", f"hydra.run.dir={run}"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (run / "metrics.jsonl").exists(), "the job never started training"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)  # the process exits: its rank threads stopped
+    finally:
+        proc.kill()
+    assert rc == 1
+    summary = summary_of(run)
+    assert summary["status"] == "failed" and summary["error"] == "interrupted by SIGTERM"
+
+
+def test_auto_runs_threads_beyond_the_slots_and_says_why(bfexp):
+    proc = bfexp("ranks=3", "engine.slots_factor=0.001", "steps=10", "log_every=5", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    slots = processor_slots()
+    why = f"engine=auto chose threads: ranks=3 exceed {slots} processor slots x engine.slots_factor=0.001 = {slots * 0.001:g}"
+    assert why in proc.stdout
+    summary = summary_of(bfexp.cwd / "run")
+    assert summary["engine"] == "threads" and summary["engine_choice"] == why
+
+
+def auto(ranks: int, factor: float, algorithm: str = "dsgd"):
+    return OmegaConf.create({"ranks": ranks, "algorithm": {"name": algorithm},
+                             "engine": {"name": "auto", "slots_factor": factor, "ranks_per_machine": 0}})
+
+
+@pytest.mark.parametrize("ranks, factor, algorithm, engine", [
+    (2, 1000.0, "dsgd", "mpi"),
+    (10**6, 1.0, "dsgd", "threads"),
+    (10**6, 1.0, "ddp", "mpi"),  # torch.distributed needs a process per rank
+])
+def test_auto_choice(ranks, factor, algorithm, engine):
+    chosen, why = choose_engine(auto(ranks, factor, algorithm))
+    assert chosen == engine, why
+    assert f"ranks={ranks}" in why and f"engine.slots_factor={factor:g}" in why
+
+
+def test_a_bad_slots_factor_is_refused_before_any_rank_starts(bfexp):
+    proc = bfexp("engine.slots_factor=0", "hydra.run.dir=run")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "bfexp: error: engine.slots_factor=0.0; allowed: a number > 0"
+    assert not (bfexp.cwd / "run" / "summary.json").exists()
