@@ -145,14 +145,20 @@ h = e.ineighbor_allreduce(x, 1.0, {}, [])
 r["handle"] = h.wait().tolist() == x.tolist() and h.done()
 e.barrier()
 r["zero_copy"] = as_cupy(x).data.ptr == x.data_ptr()
+r["comm_time_s"] = e.comm_time_s
 e.close()
+e.timeline.save()
 emit(r)
 """
 
 
 @needs_gpu
 def test_one_rank_ops_on_the_gpu(tmp_path):
-    (r,) = run_ranks(1, ONE_RANK, tmp_path)
+    (r,) = run_ranks(1, ONE_RANK, tmp_path, env={"BFEXP_TIMELINE": str(tmp_path / "timeline")})
+    trace = json.loads((tmp_path / "timeline" / "rank0.json").read_text())["traceEvents"]
+    begun = {ev["name"]: ev["args"]["bytes"] for ev in trace if ev.get("ph") == "b"}
+    assert begun["neighbor_allreduce"] == 0 and begun["allreduce"] > 0 and "barrier" in begun
+    assert r["comm_time_s"] > 0
     np.testing.assert_allclose(r["self_only"], 0.25 * np.arange(1, 7), rtol=1e-6)
     assert r["same_device"] and r["cpu_back_on_cpu"] and r["handle"] and r["zero_copy"]
     assert r["fused_shapes"] == [[2, 1], [4]]
