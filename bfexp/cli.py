@@ -109,6 +109,11 @@ def run_job(cfg: Any) -> str:
     except (ValueError, LaunchError) as e:
         fail(str(e))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    from bfexp.scaling import job_note
+
+    note = job_note(cfg)  # e.g. more CPU ranks than cores: measured scaling is contention
+    if note:
+        print(f"note: {note}", flush=True)
     ident = job_identity(cfg)
     title = f"{ident['algorithm']}/{ident['topology']} x{cfg.ranks}"
     from bfexp.loggers import open_tracker

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -155,6 +155,21 @@ class CNNConfig(ModelConfig):
     hidden: int = 128
 
 
+@dataclass
+class ResNet50Config(ModelConfig):
+    """ResNet-50 (He et al. 2016; torchvision's v1.5 layout, 25.6M parameters).
+
+    The image shape and classes below are ImageNet's: throughput-only mode,
+    which loads no data, sizes the model from them. Training on a data set
+    uses its own class count, and flat inputs are viewed as `channels`-channel
+    square images.
+    """
+
+    name: str = "resnet50"
+    channels: int = 3
+    image_size: int = 224
+    classes: int = 1000
+
 # ------------------------------------------------------------------ dataset
 @dataclass
 class DatasetConfig:
@@ -255,14 +270,65 @@ class AutoEngineConfig(EngineConfig):
 # ------------------------------------------------------------------ scaling
 @dataclass
 class ScalingConfig:
+    """A cluster the cost model (bfexp/costmodel.py) prices a training step on.
+
+    Each conf/scaling/<option>.yaml cites the source of every figure it declares.
+    """
+
     name: str = MISSING
+    # true: this is a cluster that is not here; its modeled figures headline
+    # summary.json (time_source=modeled) beside what was measured on this machine.
+    modeled: bool = True
+    # Ranks (GPUs) per machine; 0 = every rank on one machine.
+    ranks_per_machine: int = 0
+    # Inside a machine (NVLink, shared memory): seconds per message, GB/s (1e9 bytes/s) per rank.
+    intra_latency_s: float = 1e-6
+    intra_bandwidth_gbyte_per_s: float = 10.0
+    # Between machines (one network card): seconds per message, GB/s per card.
+    inter_latency_s: float = 1e-5
+    inter_bandwidth_gbyte_per_s: float = 1.0
+    # true: a machine's ranks share one card; false: each rank has its own.
+    nic_shared: bool = True
+    # How fast a rank combines received data with its own (GB/s).
+    reduce_gbyte_per_s: float = 10.0
+    # true: ranks are CPU processes sharing this machine's cores (copies slow down past one rank per core).
+    shares_cores: bool = False
+    # The baseline's allreduce: ring (flat) or hierarchical (inside machines, then across).
+    allreduce: str = "ring"
+    # Share of a step's compute that is the backward pass, which communication can hide behind.
+    backward_fraction: float = 0.667
+    # Training samples per second of ONE rank, by model name (compute only, no
+    # communication); models not listed use the measured single-rank reference.
+    compute_samples_per_s: Dict[str, float] = field(default_factory=dict)
+    # Single-rank reference: timed steps of one rank without communication.
+    reference_steps: int = 10
+    # Where references are cached (per model, batch, dtype and device): "auto" =
+    # $BFEXP_CACHE_DIR, else $XDG_CACHE_HOME/bfexp, else ~/.cache/bfexp; null = no cache.
+    reference_cache: Optional[str] = "auto"
 
 
 @dataclass
 class LocalScalingConfig(ScalingConfig):
-    """This machine, measured."""
+    """This machine, measured; link figures from scripts/calibrate_comm.py."""
 
     name: str = "local"
+    modeled: bool = False
+    shares_cores: bool = True
+
+
+@dataclass
+class V100ClusterConfig(ScalingConfig):
+    name: str = "v100_cluster"
+
+
+@dataclass
+class H100ClusterConfig(ScalingConfig):
+    name: str = "h100_cluster"
+
+
+@dataclass
+class Ethernet10GConfig(ScalingConfig):
+    name: str = "ethernet_10g"
 
 
 # ------------------------------------------------------------------ logger
@@ -342,6 +408,13 @@ class Config:
     # Fault injection, for testing how a job fails: this rank raises at fail_step.
     fail_rank: Optional[int] = None
     fail_step: int = 1
+    # Skip training: report the step time and throughput the scaling config
+    # models (no ranks for a modeled cluster; on scaling=local the ranks also
+    # measure the algorithm's communication on buffers of the model's size).
+    throughput_only: bool = False
+    # Timed steps of the allreduce baseline probe each job runs after training
+    # on the same ranks, model and batch (0 = no probe; allreduce jobs are their own baseline).
+    baseline_steps: int = 10
     # At the end of a sweep (-m), write report.csv, report.md and plots into its folder.
     report: bool = True
 
@@ -361,10 +434,15 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "one_peer_ring": OnePeerRingConfig,
         "inner_outer_exp2": InnerOuterExp2Config,
     },
-    "model": {"logreg": LogRegConfig, "mlp": MLPConfig, "cnn": CNNConfig},
+    "model": {"logreg": LogRegConfig, "mlp": MLPConfig, "cnn": CNNConfig, "resnet50": ResNet50Config},
     "dataset": {"synthetic": SyntheticConfig, "digits": DigitsConfig, "mnist": MNISTConfig, "cifar10": CIFAR10Config},
     "engine": {"mpi": MPIEngineConfig, "nccl": NCCLEngineConfig, "threads": ThreadsEngineConfig, "auto": AutoEngineConfig},
-    "scaling": {"local": LocalScalingConfig},
+    "scaling": {
+        "local": LocalScalingConfig,
+        "v100_cluster": V100ClusterConfig,
+        "h100_cluster": H100ClusterConfig,
+        "ethernet_10g": Ethernet10GConfig,
+    },
     "logger": {"console": ConsoleLoggerConfig, "jsonl": JsonlLoggerConfig, "wandb": WandbLoggerConfig},
 }
 
@@ -392,6 +470,7 @@ ALLOWED = {
     "model.activation": ("relu", "tanh", "gelu"),
     "algorithm.style": ("atc", "awc"),
     "logger.mode": ("offline", "online", "disabled"),
+    "scaling.allreduce": ("ring", "hierarchical"),
 }
 
 
@@ -436,6 +515,41 @@ def validate_logger(logger: Any) -> None:
         )
 
 
+def validate_scaling(cfg: Any) -> None:
+    """The scaling config's figures, the baseline probe and throughput-only mode."""
+    sc = cfg.scaling
+    for key in ("intra_bandwidth_gbyte_per_s", "inter_bandwidth_gbyte_per_s", "reduce_gbyte_per_s"):
+        _require(sc[key] > 0, f"scaling.{key}={sc[key]}; allowed: a number > 0")
+    for key in ("intra_latency_s", "inter_latency_s"):
+        _require(sc[key] >= 0, f"scaling.{key}={sc[key]}; allowed: a number >= 0")
+    _require(0 <= sc.backward_fraction <= 1, f"scaling.backward_fraction={sc.backward_fraction}; allowed: 0 to 1")
+    _require(sc.reference_steps >= 1, f"scaling.reference_steps={sc.reference_steps}; allowed: an integer >= 1")
+    for model, speed in (sc.compute_samples_per_s or {}).items():
+        _require(speed > 0, f"scaling.compute_samples_per_s.{model}={speed}; allowed: a number > 0")
+    _require(cfg.baseline_steps >= 0, f"baseline_steps={cfg.baseline_steps}; allowed: an integer >= 0 (0 = no probe)")
+    rpm = sc.ranks_per_machine
+    _require(rpm >= 0, f"scaling.ranks_per_machine={rpm}; allowed: 0 (one machine) or >= 1")
+    if rpm and cfg.ranks > rpm:
+        _require(
+            cfg.ranks % rpm == 0,
+            f"ranks={cfg.ranks} does not fill machines of scaling.ranks_per_machine={rpm} (scaling={sc.name}); "
+            f"allowed: at most {rpm} ranks or a multiple of {rpm}",
+        )
+        erpm = cfg.engine.ranks_per_machine
+        _require(
+            erpm in (0, rpm),
+            f"engine.ranks_per_machine={erpm} differs from scaling.ranks_per_machine={rpm} of scaling={sc.name}; "
+            f"allowed: 0 or {rpm} (the model places ranks on the scaling config's machines)",
+        )
+    if cfg.throughput_only and sc.modeled and not (sc.compute_samples_per_s or {}).get(cfg.model.name):
+        declared = ", ".join(sorted(sc.compute_samples_per_s or {})) or "none"
+        raise ConfigError(
+            f"throughput_only=true on scaling={sc.name} needs the compute speed of model={cfg.model.name} "
+            f"(declared: {declared}); allowed: a declared model, or "
+            f"+scaling.compute_samples_per_s.{cfg.model.name}=<samples/s of one rank>"
+        )
+
+
 def validate(cfg: Any) -> None:
     """Reject what cannot run, with a message that names the value and what is allowed."""
     for key, allowed in ALLOWED.items():
@@ -449,6 +563,7 @@ def validate(cfg: Any) -> None:
     _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}; allowed: an integer >= 1")
     _require(cfg.lr > 0, f"lr={cfg.lr}; allowed: a number > 0")
     _require(cfg.log_every >= 1, f"log_every={cfg.log_every}; allowed: an integer >= 1")
+    validate_scaling(cfg)
     validate_logger(cfg.logger)
     _require(
         cfg.algorithm.communication_period >= 1,

@@ -399,8 +399,20 @@ def with_engine(cfg: Any, name: str) -> Any:
     return out
 
 
+def launch_modeled(cfg: Any, run_dir: Path) -> JobResult:
+    """Throughput-only on a cluster that is not here: the cost model answers, no rank starts."""
+    from bfexp.scaling import modeled_job
+
+    run_dir = Path(run_dir)
+    write_job_config(cfg, run_dir)
+    summary = modeled_job(cfg, run_dir)
+    return JobResult(summary["status"], run_dir, summary, 0)
+
+
 def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
     """Run one job with the engine its config names (engine=auto: the one it chooses)."""
+    if cfg.get("throughput_only", False) and cfg.scaling.get("modeled", False):
+        return launch_modeled(cfg, run_dir)
     choice = None
     if cfg.engine.name == "auto":
         name, why = choose_engine(cfg)

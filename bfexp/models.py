@@ -53,7 +53,138 @@ class _AsImage(nn.Module):
         return x
 
 
-MODEL_BUILDERS: dict[str, Callable[[int, int, Any], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
+class _Bottleneck(nn.Module):
+    """ResNet-50's block: 1x1 reduce, 3x3 (carrying the stride, as in v1.5), 1x1 expand x4."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        width = planes
+        self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class _ResNet50(nn.Module):
+    """The same modules, names and order as torchvision.models.resnet50, so
+    `initialize` draws the same numbers whichever definition is used."""
+
+    def __init__(self, classes: int, channels: int = 3) -> None:
+        super().__init__()
+        self.inplanes = 64
+        self.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = self._layer(64, 3)
+        self.layer2 = self._layer(128, 4, stride=2)
+        self.layer3 = self._layer(256, 6, stride=2)
+        self.layer4 = self._layer(512, 3, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512 * _Bottleneck.expansion, classes)
+
+    def _layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        out = planes * _Bottleneck.expansion
+        downsample = None
+        if stride != 1 or self.inplanes != out:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+        layers = [_Bottleneck(self.inplanes, planes, stride, downsample)]
+        self.inplanes = out
+        layers += [_Bottleneck(out, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class _AsImages(nn.Module):
+    """View flat inputs as square images of `channels` channels; pass images through."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.channels = channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            side = int(round(math.sqrt(x.shape[1] / self.channels)))
+            return x.view(x.shape[0], self.channels, side, side)
+        return x
+
+
+def resnet50(in_features: int, classes: int, cfg: Any) -> nn.Module:
+    """ResNet-50: torchvision's when it imports (it does not with the CPU torch
+    pinned here, hence the lazy import), the built-in copy otherwise."""
+    channels = int(cfg.get("channels", 3))
+    side = math.isqrt(max(1, in_features // channels))
+    if channels * side * side != in_features:
+        raise ValueError(
+            f"model=resnet50 needs square images of model.channels={channels} channels; "
+            f"got {in_features} input features; allowed: {channels} x s x s (e.g. dataset=cifar10)"
+        )
+    try:
+        from torchvision.models import resnet50 as tv_resnet50
+
+        net = tv_resnet50(weights=None, num_classes=classes)
+        if channels != 3:
+            net.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
+    except Exception:  # not installed, or built for another torch
+        net = _ResNet50(classes, channels)
+    return nn.Sequential(_AsImages(channels), net)
+
+
+MODEL_BUILDERS: dict[str, Callable[[int, int, Any], nn.Module]] = {
+    "logreg": logreg,
+    "mlp": mlp,
+    "cnn": cnn,
+    "resnet50": resnet50,
+}
+
+
+def sample_shape(model_cfg: Any, dataset_cfg: Any) -> tuple[tuple[int, ...], int]:
+    """(one sample's shape, classes) without loading data, for sizing a model.
+
+    ResNet-50 declares ImageNet's shape; the built-in data sets have known
+    shapes; any other data set is loaded (rank 0 of 1) to find out.
+    """
+    if model_cfg.name == "resnet50":
+        side, channels = int(model_cfg.image_size), int(model_cfg.channels)
+        return (channels, side, side), int(model_cfg.classes)
+    known = {"digits": ((64,), 10), "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}
+    if dataset_cfg.name == "synthetic":
+        return (int(dataset_cfg.features),), int(dataset_cfg.classes)
+    if dataset_cfg.name in known:
+        return known[dataset_cfg.name]
+    from bfexp.data import load_rank_data
+
+    data = load_rank_data(dataset_cfg, 0, 1, 0)
+    return tuple(data.train_x.shape[1:]), int(data.classes)
+
+
+def parameter_count(model_cfg: Any, dataset_cfg: Any) -> int:
+    """Parameters of the model a config names, built on torch's meta device:
+    shapes only, no memory and no compute, so a 128-rank ResNet-50 study costs nothing."""
+    shape, classes = sample_shape(model_cfg, dataset_cfg)
+    in_features = int(math.prod(shape))
+    with torch.device("meta"):
+        model = MODEL_BUILDERS[model_cfg.name](in_features, classes, model_cfg)
+        if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
+            model(torch.zeros(1, *shape))
+    return sum(p.numel() for p in model.parameters())
 
 
 @torch.no_grad()

@@ -58,6 +58,10 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
     """
     rank, size = engine.rank, engine.size
     started = time.perf_counter()
+    if cfg.get("throughput_only", False):  # no training: time communication, model the rest
+        from bfexp.scaling import throughput_only_ranks
+
+        return throughput_only_ranks(cfg, engine, run_dir)
     dtype = DTYPES[cfg.dtype]
     topology = build_topology(cfg.topology, size, cfg.engine.ranks_per_machine)
     engine.set_topology(topology)
@@ -138,8 +142,24 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
         "step_time_s": step_time_s,
         "comm_time_s": comm_time_s,
         "throughput_samples_per_s": size * sampler.batch_size / step_time_s if step_time_s > 0 else None,
-        "wall_time_s": time.perf_counter() - started,
     }
+    # Scaling: compute/comm/wait split, single-rank reference, allreduce baseline probe, cost model.
+    from bfexp.scaling import job_figures
+
+    probe_sampler = BatchSampler(data, cfg.batch_size, cfg.seed + 1, rank)
+    model_device = next(model.parameters()).device
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        bx, by = probe_sampler.next()
+        return bx.to(model_device), by.to(model_device)
+
+    summary.update(job_figures(
+        cfg, engine, model=model, algorithm=optimizer, topology=topology,
+        make_optimizer=lambda params: make_local_optimizer(cfg, params), next_batch=next_batch,
+        classes=data.classes, batch=sampler.batch_size,
+        step_s=timer.mean_step_s, blocked_s=timer.comm_s / max(1, timer.timed_steps),
+    ))
+    summary["wall_time_s"] = time.perf_counter() - started
     if rank == 0:
         results.write_json_atomic(run_dir / results.SUMMARY, summary)
     return summary

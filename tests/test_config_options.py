@@ -16,6 +16,9 @@ EXTRA: dict[tuple[str, str], list[str]] = {
     ("topology", "random_regular"): ["topology.degree=1"],
     ("topology", "inner_outer_exp2"): ["engine.ranks_per_machine=1"],
     ("model", "cnn"): ["dataset=digits"],
+    # 25.6M parameters: 16x16 synthetic images, tiny batches, one-step probes, no reference cache.
+    ("model", "resnet50"): ["dataset.features=768", "dataset.eval_samples=8", "batch_size=4", "lr=0.01",
+                            "baseline_steps=1", "scaling.reference_steps=1", "scaling.reference_cache=null"],
     ("dataset", "mnist"): ["dataset.root=${oc.env:BFEXP_TEST_MNIST}"],
     ("dataset", "cifar10"): ["dataset.root=${oc.env:BFEXP_TEST_CIFAR10}"],
 }
