@@ -2,21 +2,23 @@
 
     python scripts/calibrate_comm.py [--ranks 2,4,8] [--sizes 1M,4M,16M,64M] [--reps 7] [--json PATH]
 
-Starts ``mpiexec -n max(ranks)`` on itself. Through the MPI engine it measures:
+Starts ``mpiexec -n max(ranks)`` on itself and measures, through the MPI
+engine, in rounds (the first one warms up and is dropped):
 
-1. the link: latency (alpha) and bandwidth (1/beta) of a one-peer
-   neighbor_allreduce between two ranks (tiny and large messages), after
-   subtracting the local combine it does, whose speed (gamma) is timed on
-   its own on both ranks at once;
-2. for each rank count n and size: our allreduce (average) and our
-   neighbor_allreduce on the static exp2 graph, median over repetitions of
-   the slowest rank's time, the other ranks sleeping meanwhile.
+1. the link, on two ranks: latency (alpha) from a one-float one-peer
+   neighbor_allreduce; for each size, the time per byte of the transfer
+   (beta) from a one-peer neighbor_allreduce minus its local combine, whose
+   speed (gamma) is timed on its own on both ranks at once;
+2. right after, for each rank count n and size: our allreduce (average) and
+   our neighbor_allreduce on the static exp2 graph, one call each, timed as
+   the slowest rank's, the ranks outside n sleeping meanwhile.
 
-It then prints, for each, the cost model's prediction from alpha, beta and
-gamma alone (bfexp/costmodel.py: ring allreduce, neighbor exchange; ranks
-beyond this machine's cores slow copies down by ranks/cores) and the ratio
-measured / predicted, and the lines to put in conf/scaling/local.yaml.
-The machine may be shared: repeat runs and compare medians.
+Each round's prediction (bfexp/costmodel.py: ring allreduce, neighbor
+exchange, ranks beyond this machine's cores slowing copies by ranks/cores)
+from that round's alpha, beta and gamma alone is compared with that round's
+measurement, so both see the same load on a shared machine. It prints
+medians over rounds, the ratio measured / predicted, and the lines for
+conf/scaling/local.yaml.
 """
 
 from __future__ import annotations
