@@ -104,10 +104,17 @@ def run_job(cfg: Any) -> str:
     # SystemExit passes through Hydra untouched: one line, exit 2, no ranks started.
     try:
         validate(cfg)
-        build_topology(cfg.topology, cfg.ranks, cfg.engine.ranks_per_machine)
+        topology = build_topology(cfg.topology, cfg.ranks, cfg.engine.ranks_per_machine)
         check_engine(cfg)  # e.g. engine=nccl without a GPU
+        from bfexp.algorithms import resolve_job  # imports torch: only jobs that run get here
+        from bfexp.launch import choose_engine
+
+        engine = choose_engine(cfg)[0] if cfg.engine.name == "auto" else cfg.engine.name
+        _, algorithm_note = resolve_job(cfg, topology, engine)  # e.g. exact diffusion on exp2's undirected form
     except (ValueError, LaunchError) as e:
         fail(str(e))
+    if algorithm_note:
+        print(f"note: {algorithm_note}", flush=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     from bfexp.scaling import job_note
 

@@ -29,24 +29,73 @@ class ConfigError(ValueError):
 @dataclass
 class AlgorithmConfig:
     name: str = MISSING
-    # Local SGD: communicate every `communication_period` steps.
+    # Local SGD: communicate every `communication_period` steps (W = I in between).
     communication_period: int = 1
-    # Start communication from hooks so it overlaps computation.
+    # Start communication from hooks so it overlaps computation (false: after backward).
     overlap: bool = True
+    # Messages started during backward carry buckets of at most this many MiB.
+    bucket_mb: float = 25.0
 
 
 @dataclass
 class DSGDConfig(AlgorithmConfig):
     name: str = "dsgd"
-    # atc: X+ = W(X - a F(X)); awc: X+ = WX - a F(X).
+    # atc: X+ = W(X - a F(X)); awc: X+ = WX - a F(X); cta: X+ = WX - a F(WX).
     style: str = "atc"
+
+
+@dataclass
+class ExactDiffusionConfig(AlgorithmConfig):
+    """Needs a static symmetric doubly stochastic W; a graph with an undirected form runs on that form."""
+
+    name: str = "exact_diffusion"
+
+
+@dataclass
+class GradientTrackingConfig(AlgorithmConfig):
+    name: str = "gradient_tracking"
+    # diging: X+ = WX - aY, Y+ = WY + dF; atc: X+ = W(X - aY), Y+ = W(Y + dF).
+    form: str = "diging"
+
+
+@dataclass
+class PushSumConfig(AlgorithmConfig):
+    """Directed graphs: needs column-stochastic weights (topology.weights=column on non-regular graphs)."""
+
+    name: str = "push_sum"
+
+
+@dataclass
+class PushDIGingConfig(AlgorithmConfig):
+    name: str = "push_diging"
 
 
 @dataclass
 class AllreduceConfig(AlgorithmConfig):
     name: str = "allreduce"
-    # Gradients are bucketed into fused messages of at most this size.
-    bucket_mb: float = 25.0
+
+
+@dataclass
+class DDPConfig(AlgorithmConfig):
+    """torch DistributedDataParallel (gloo on CPU, nccl on GPU); bucket_mb is its bucket_cap_mb."""
+
+    name: str = "ddp"
+
+
+def validate_algorithm(cfg: Any) -> None:
+    """Algorithm options a type cannot check (the topology and engine fit is checked by
+    bfexp.algorithms.resolve_job, which needs the built topology)."""
+    algo = cfg.algorithm
+    period = algo.communication_period
+    if period < 1:
+        raise ConfigError(f"algorithm.communication_period={period}; allowed: an integer >= 1")
+    if algo.bucket_mb <= 0:
+        raise ConfigError(f"algorithm.bucket_mb={algo.bucket_mb}; allowed: a number > 0")
+    if algo.name == "ddp" and period != 1:
+        raise ConfigError(
+            f"algorithm.communication_period={period}; algorithm=ddp allows only 1 "
+            "(algorithm=allreduce runs local SGD with a period)"
+        )
 
 
 # ------------------------------------------------------------------ topology
@@ -169,6 +218,7 @@ class ResNet50Config(ModelConfig):
     channels: int = 3
     image_size: int = 224
     classes: int = 1000
+
 
 # ------------------------------------------------------------------ dataset
 @dataclass
@@ -420,7 +470,15 @@ class Config:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "algorithm": {"dsgd": DSGDConfig, "allreduce": AllreduceConfig},
+    "algorithm": {
+        "dsgd": DSGDConfig,
+        "exact_diffusion": ExactDiffusionConfig,
+        "gradient_tracking": GradientTrackingConfig,
+        "push_sum": PushSumConfig,
+        "push_diging": PushDIGingConfig,
+        "allreduce": AllreduceConfig,
+        "ddp": DDPConfig,
+    },
     "topology": {
         "ring": RingConfig,
         "exp2": Exp2Config,
@@ -468,7 +526,8 @@ ALLOWED = {
     "topology.weights": ("uniform", "metropolis", "column"),
     "dataset.partition": ("iid", "dirichlet", "sorted"),
     "model.activation": ("relu", "tanh", "gelu"),
-    "algorithm.style": ("atc", "awc"),
+    "algorithm.style": ("atc", "awc", "cta"),
+    "algorithm.form": ("diging", "atc"),
     "logger.mode": ("offline", "online", "disabled"),
     "scaling.allreduce": ("ring", "hierarchical"),
 }
@@ -563,12 +622,9 @@ def validate(cfg: Any) -> None:
     _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}; allowed: an integer >= 1")
     _require(cfg.lr > 0, f"lr={cfg.lr}; allowed: a number > 0")
     _require(cfg.log_every >= 1, f"log_every={cfg.log_every}; allowed: an integer >= 1")
-    validate_scaling(cfg)
     validate_logger(cfg.logger)
-    _require(
-        cfg.algorithm.communication_period >= 1,
-        f"algorithm.communication_period={cfg.algorithm.communication_period}; allowed: an integer >= 1",
-    )
+    validate_scaling(cfg)
+    validate_algorithm(cfg)
     if cfg.engine.name == "auto":
         factor = cfg.engine.slots_factor
         _require(factor > 0, f"engine.slots_factor={factor}; allowed: a number > 0")

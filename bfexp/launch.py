@@ -265,7 +265,8 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     (run_dir / results.LOGS_DIR).mkdir(parents=True, exist_ok=True)
     write_job_config(cfg, run_dir)
     tail = results.JsonlTail(run_dir / results.METRICS)
-    world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine)
+    timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
+    world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir)
 
     def rank_main(engine: Any) -> dict:
         # Every rank reads the config the driver wrote, exactly as an MPI rank does.

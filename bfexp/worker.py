@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from bfexp import results
-from bfexp.algorithms import build_algorithm
+from bfexp.algorithms import build_algorithm, resolve_topology
 from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, load_rank_data
 from bfexp.metrics import StepTimer, consensus_distance, evaluate, global_mean
@@ -64,12 +64,15 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
         return throughput_only_ranks(cfg, engine, run_dir)
     dtype = DTYPES[cfg.dtype]
     topology = build_topology(cfg.topology, size, cfg.engine.ranks_per_machine)
+    # The topology the algorithm's rule runs on (exact diffusion: exp2 -> its undirected form).
+    topology, _ = resolve_topology(cfg.algorithm, topology)
     engine.set_topology(topology)
     data = load_rank_data(cfg.dataset, rank, size, cfg.seed)
     # GPU engines (nccl) name the rank's device; CPU engines have none.
     device = getattr(engine, "device", None) or torch.device("cpu")
     model = build_model(cfg.model, data.in_features, data.classes, cfg.seed, dtype, in_shape=tuple(data.train_x.shape[1:])).to(device)
-    optimizer = build_algorithm(cfg.algorithm, make_local_optimizer(cfg, model.parameters()), engine, topology)
+    optimizer = build_algorithm(cfg.algorithm, make_local_optimizer(cfg, model.parameters()), engine, topology, model=model)
+    net = optimizer.module if optimizer.module is not None else model  # ddp: the DDP wrapper
     sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
     steps = total_steps(cfg, data.global_train_size, size)
     timer = StepTimer(warmup=min(3, steps // 4))
@@ -86,7 +89,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
         x, y = x.to(device), y.to(device)
         timer.start(engine)
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x.to(dtype)).float(), y)
+        loss = F.cross_entropy(net(x.to(dtype)).float(), y)
         loss.backward()
         optimizer.step()
         timer.stop(engine)
@@ -123,7 +126,10 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
     step_time_s, comm_time_s = global_mean(engine, timer.mean_step_s, timer.comm_s / max(1, timer.timed_steps))
     summary = {
         "algorithm": cfg.algorithm.name,
-        "topology": topology.name,
+        "topology": cfg.topology.name,
+        # What the algorithm really ran on (exact diffusion may substitute an undirected form).
+        "topology_used": topology.label if optimizer.uses_topology else None,
+        "topology_weights": topology.weight_scheme if optimizer.uses_topology else None,
         "ranks": size,
         "engine": engine.name,
         "seed": cfg.seed,
@@ -159,6 +165,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
         classes=data.classes, batch=sampler.batch_size,
         step_s=timer.mean_step_s, blocked_s=timer.comm_s / max(1, timer.timed_steps),
     ))
+    optimizer.close()
     summary["wall_time_s"] = time.perf_counter() - started
     if rank == 0:
         results.write_json_atomic(run_dir / results.SUMMARY, summary)

@@ -1,26 +1,63 @@
-"""The Horovod-style baseline (Sergeev & Del Balso 2018): every rank applies
-the global average gradient, so all ranks hold the same model.
+"""The Horovod-style baseline (Sergeev & Del Balso, "Horovod: fast and easy
+distributed deep learning in TensorFlow", 2018): every rank applies the
+global average gradient, so all ranks hold the same model and the run is
+centralized mini-batch SGD on the union of the ranks' batches.
 
     g = (1/n) sum_i F_i(x);   x+ = x - a g
+
+Gradients are averaged by fused allreduce: they are packed into buckets of
+at most ``bucket_mb`` (cut from the end of the model, where backward starts)
+and each bucket's allreduce starts from a backward hook the moment its
+gradients are complete, so communication overlaps the rest of backward.
+``overlap=false`` sends one message after backward instead.
+
+communication_period H > 1 is local SGD with periodic model averaging
+(Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019):
+H local optimizer steps, then the parameters are averaged.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from bfexp.algorithms.base import DecentralizedOptimizer, flat_grad, set_flat_grad_
+import torch
+
+from bfexp.algorithms.base import DecentralizedOptimizer, flat_grad
+from bfexp.algorithms.buckets import Bucket
+from bfexp.comm.engine import Handle
 
 
 class Allreduce(DecentralizedOptimizer):
     name: ClassVar[str] = "allreduce"
+    uses_topology: ClassVar[bool] = False
+    bucketed: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._grad = None
+        self.grad = torch.zeros_like(self.flat)
 
-    def step(self) -> None:
-        self._grad = flat_grad(self.params, self._grad)
-        averaged = self.engine.allreduce(self._grad, op="avg")
-        set_flat_grad_(self.params, averaged)
-        self.optimizer.step()
-        self.iteration += 1
+    def begin_iteration(self) -> None:
+        if self.communication_period == 1:
+            super().begin_iteration()  # watch backward for gradient buckets
+
+    def bucket_ready(self, bucket: Bucket) -> Handle:
+        part = self.grad[bucket.start : bucket.stop]
+        flat_grad(list(bucket.params), out=part)
+        return self.engine.iallreduce(part, op="avg")
+
+    def update(self, communicate: bool) -> None:
+        if self.communication_period == 1:
+            for bucket, handle in self.buckets.collect():  # type: ignore[union-attr]
+                averaged = self.wait(handle)
+                offset = bucket.start
+                for p in bucket.params:
+                    n = p.numel()
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.copy_(averaged[offset - bucket.start : offset - bucket.start + n].view_as(p))
+                    offset += n
+            self.local_step()
+            return
+        self.local_step()
+        if communicate:  # local SGD: average the models every H steps
+            self.flat.copy_(self.wait(self.engine.iallreduce(self.flat, op="avg")))

@@ -1,10 +1,23 @@
-"""Decentralized SGD (Lian et al., "Can Decentralized Algorithms Outperform
-Centralized Algorithms?", NeurIPS 2017; Chen & Sayed 2012 for ATC/CTA diffusion).
+"""Decentralized SGD in its three orderings of "adapt" (local gradient step)
+and "combine" (neighbor averaging).
+
+Lian et al., "Can Decentralized Algorithms Outperform Centralized
+Algorithms?", NeurIPS 2017 (D-PSGD, the awc form); Chen & Sayed, "Diffusion
+Adaptation Strategies for Distributed Optimization and Learning over
+Networks", IEEE TSP 2012 (ATC and CTA diffusion).
 
 X stacks the ranks' parameters, W is the mixing matrix, F the local gradients:
 
-    atc (adapt-then-combine):  X+ = W (X - a F(X))
-    awc (adapt-while-combine, the D-PSGD form):  X+ = W X - a F(X)
+    atc  (adapt-then-combine):       X+ = W (X - a F(X))
+    awc  (adapt-while-combine, D-PSGD): X+ = W X - a F(X)
+    cta  (combine-then-adapt):       X+ = W X - a F(W X)
+
+atc mixes the freshly updated model, so its exchange can only overlap the
+rest of backward (buckets start as their gradients arrive). awc mixes the
+model the gradient is taken at, so the whole exchange runs during forward
+and backward. cta mixes before the forward pass, so the gradient really is
+taken at the mixed point; its exchange is started at the end of step() and
+completed at the start of the next iteration.
 
 With heterogeneous data DSGD converges to a neighborhood of the optimum
 whose size is O(a): the bias that exact diffusion and gradient tracking remove.
@@ -15,27 +28,87 @@ from __future__ import annotations
 from typing import ClassVar
 
 from bfexp.algorithms.base import DecentralizedOptimizer, Requirements
+from bfexp.algorithms.buckets import Bucket
+from bfexp.comm.engine import Handle
+
+STYLES = ("atc", "awc", "cta")
 
 
 class DSGD(DecentralizedOptimizer):
     name: ClassVar[str] = "dsgd"
     requires: ClassVar[Requirements] = Requirements(row_stochastic=True)
+    bucketed: ClassVar[bool] = True  # atc adapts bucket by bucket
 
-    def step(self) -> None:
-        style = self.cfg.get("style", "atc")
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.style = self.cfg.get("style", "atc")
+        if self.style not in STYLES:
+            raise ValueError(f"algorithm.style={self.style!r}; allowed: {', '.join(STYLES)}")
+        self._exchange: Handle | None = None  # awc: W X in flight; cta: W X+ in flight
+        self._backward_at = -1  # cta: the iteration of the last backward pass
+        self._backward_hooks = []
+        if self.style == "cta":
+            self._backward_hooks = [
+                p.register_post_accumulate_grad_hook(self._saw_backward) for p in self.params if p.requires_grad
+            ]
+        if self.style != "atc" and self.buckets is not None:  # only atc adapts bucket by bucket
+            self.buckets.remove()
+            self.buckets = None
+
+    # begin: before forward ---------------------------------------------------
+    def begin_iteration(self) -> None:
         communicate = self.communicates_now()
-        if style == "atc":
-            self.optimizer.step()  # X - a F(X)
-            if communicate:
-                self.mix_(self.flat)  # W (...)
-        elif style == "awc":
-            before = self.flat.clone()
-            self.optimizer.step()
-            update = self.flat - before  # -a F(X) as the local optimizer shapes it
-            if communicate:
-                self.flat.copy_(before)
-                self.mix_(self.flat)  # W X
-            self.flat.add_(update)
-        else:
-            raise ValueError(f"algorithm.style={style!r}; allowed: atc, awc")
-        self.iteration += 1
+        if self.style == "atc":
+            super().begin_iteration()  # watch backward for buckets
+        elif self.style == "awc" and communicate and self.overlap:
+            self._exchange = self.start_mix(self.flat.clone(), self.mixing_weights())
+        elif self.style == "cta" and communicate:
+            # Combine first: the forward pass must see W X.
+            if self._exchange is None:
+                self._exchange = self.start_mix(self.flat, self.mixing_weights())
+            self.flat.copy_(self.wait(self._exchange))
+            self._exchange = None
+
+    def _saw_backward(self, param) -> None:
+        self._backward_at = self.iteration
+
+    def late_begin(self) -> None:
+        # A backward pass ran before the combine: its gradient is not at W X.
+        if self.style == "cta" and self.communicates_now() and self._backward_at == self.iteration:
+            raise RuntimeError(
+                "dsgd style=cta mixes before the forward pass: call zero_grad() before forward, "
+                "or give the optimizer wrapper the model (model=...)"
+            )
+        super().late_begin()
+
+    # during backward: atc ------------------------------------------------
+    def bucket_ready(self, bucket: Bucket) -> Handle:
+        self.local_step(list(bucket.params))  # X - a F(X), this slice
+        return self.start_mix(self.flat[bucket.start : bucket.stop], self.mixing_weights())
+
+    # step ----------------------------------------------------------------
+    def update(self, communicate: bool) -> None:
+        if communicate and self.style == "atc":
+            for bucket, handle in self.buckets.collect():  # type: ignore[union-attr]
+                self.flat[bucket.start : bucket.stop].copy_(self.wait(handle))  # W (X - a F(X))
+        elif communicate and self.style == "awc":
+            if self._exchange is None:
+                self._exchange = self.start_mix(self.flat.clone(), self.mixing_weights())
+            step = self.local_update()  # -a F(X), as the local optimizer shapes it
+            self.flat.copy_(self.wait(self._exchange)).add_(step)  # W X - a F(X)
+            self._exchange = None
+        else:  # a local step; for cta the forward pass ran at W X, so X+ = W X - a F(W X)
+            self.local_step()
+        if self.style == "cta" and self.overlap and self.communicates_now(self.iteration + 1):
+            # Start the next combine now; begin_iteration completes it.
+            self._exchange = self.start_mix(self.flat.clone(), self.mixing_weights(self.iteration + 1))
+
+    def finish(self) -> None:
+        if self._exchange is not None:
+            self.wait(self._exchange)
+
+    def close(self) -> None:
+        super().close()
+        for h in self._backward_hooks:
+            h.remove()
+        self._backward_hooks = []

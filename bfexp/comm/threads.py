@@ -201,7 +201,9 @@ class _RankWindow:
 class ThreadWorld:
     """What the virtual ranks of one job share: collectives, mailboxes, windows, failure."""
 
-    def __init__(self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S, timeline_dir: Path | None = None
+    ) -> None:
         if size < 1:
             raise ValueError(f"ranks={size}; allowed: an integer >= 1")
         if ranks_per_machine and size % ranks_per_machine:
@@ -209,6 +211,8 @@ class ThreadWorld:
         self.size = size
         self.local_size = ranks_per_machine or size
         self.poll_s = poll_s
+        # Each rank's Chrome trace goes to <timeline_dir>/rank<N>.json (else $BFEXP_TIMELINE, as on MPI).
+        self.timeline_dir = timeline_dir
         self.lock = threading.Lock()
         self._wake = [threading.Condition(self.lock) for _ in range(size)]
         self._collectives: dict[tuple, _Collective] = {}
@@ -438,6 +442,8 @@ class ThreadWorld:
                     traceback.print_exc()
         finally:
             engine.close()
+            if engine.timeline is not None:
+                engine.timeline.save()
             self.rank_returned(rank)
             _current.rank = None
 
@@ -569,6 +575,12 @@ class ThreadsEngine(Engine):
         self._collective_seq: dict[Any, int] = {}
         self._exchange_seq = 0
         self._windows: dict[str, _RankWindow] = {}
+        from bfexp.timeline import Timeline
+
+        if world.timeline_dir is not None:
+            self.timeline = Timeline(Path(world.timeline_dir) / f"rank{rank}.json", rank)
+        else:
+            self.timeline = Timeline.from_env(rank)
 
     @property
     def rank(self) -> int:

@@ -1,4 +1,5 @@
-"""Allreduce-SGD on R ranks is single-process SGD on the union of the R mini-batches."""
+"""Allreduce-SGD on R ranks is single-process SGD on the union of the R mini-batches,
+for our baseline (fused allreduce from backward hooks) and for torch's DistributedDataParallel."""
 
 import numpy as np
 import pytest
@@ -20,17 +21,22 @@ from bfexp.comm.mpi import MPIEngine
 from bfexp.models import build_model
 e = MPIEngine()
 r = e.rank
-model = build_model(OmegaConf.create({MODEL!r}), 5, 3, seed={SEED}, dtype=torch.float64)
-opt = build_algorithm(OmegaConf.create(dict(name="allreduce", communication_period=1)),
-                      torch.optim.SGD(model.parameters(), lr={LR}), e, None)
-g = torch.Generator().manual_seed(100 + r)
-for _ in range({STEPS}):
-    x = torch.randn({BATCH}, 5, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, ({BATCH},), generator=g)
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-emit([p.detach().reshape(-1).tolist() for p in model.parameters()])
+out = {{}}
+for name in ("allreduce", "ddp"):
+    model = build_model(OmegaConf.create({MODEL!r}), 5, 3, seed={SEED}, dtype=torch.float64)
+    # bucket_mb tiny: several buckets, each started from backward hooks
+    opt = build_algorithm(OmegaConf.create(dict(name=name, bucket_mb=1e-4)),
+                          torch.optim.SGD(model.parameters(), lr={LR}), e, None, model=model)
+    g = torch.Generator().manual_seed(100 + r)
+    for _ in range({STEPS}):
+        x = torch.randn({BATCH}, 5, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, ({BATCH},), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(opt.module(x), y).backward()
+        opt.step()
+    opt.close()
+    out[name] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+emit(out)
 """
 
 
@@ -50,6 +56,7 @@ def test_allreduce_sgd_equals_centralized_sgd(n, tmp_path):
         F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
     expected = [p.detach().reshape(-1).numpy() for p in model.parameters()]
-    for rank_params in out:
-        for got, want in zip(rank_params, expected):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for rank_out in out:
+        for name in ("allreduce", "ddp"):  # ours and PyTorch's DistributedDataParallel
+            for got, want in zip(rank_out[name], expected):
+                np.testing.assert_allclose(got, want, atol=1e-10, rtol=0, err_msg=name)

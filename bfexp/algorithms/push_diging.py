@@ -1,0 +1,56 @@
+"""Push-DIGing: gradient tracking on directed, time-varying graphs.
+Nedic, Olshevsky, Shi, "Achieving Geometric Convergence for Distributed
+Optimization over Time-Varying Graphs", SIAM J. Optim. 2017, Algorithm 2.
+
+C_k column stochastic; u (numerator), v (scalar weight, v_0 = 1), y (tracker):
+
+    u_{k+1} = C_k (u_k - a y_k)
+    v_{k+1} = C_k v_k
+    x_{k+1} = u_{k+1} / v_{k+1}
+    y_{k+1} = C_k y_k + grad f(x_{k+1}) - grad f(x_k)
+
+with y_0 = grad f(x_0). The model's parameters hold x = u / v. Everything
+a round pushes (u - a y, v, y) goes out in ONE message per out-neighbor;
+it needs this step's gradient, so it is sent in step().
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from bfexp.algorithms.base import DecentralizedOptimizer, Requirements, flat_grad
+
+
+class PushDIGing(DecentralizedOptimizer):
+    name: ClassVar[str] = "push_diging"
+    requires: ClassVar[Requirements] = Requirements(column_stochastic=True)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.u = self.flat.clone()  # u_0 = x_0
+        self.v = torch.ones(1, dtype=self.flat.dtype, device=self.flat.device)
+        self.y = torch.zeros_like(self.flat)
+        # C_{k-1} y_{k-1}, what the last round delivered; 0 before the first
+        # (with grad_{-1} = 0 the first update gives y_0 = grad f(x_0)).
+        self.pushed_y = torch.zeros_like(self.flat)
+        self.grad = torch.zeros_like(self.flat)
+        self.grad_prev = torch.zeros_like(self.flat)
+
+    def update(self, communicate: bool) -> None:
+        flat_grad(self.params, out=self.grad)
+        torch.add(self.pushed_y, self.grad, out=self.y).sub_(self.grad_prev)  # y_k
+        self.u.add_(self.local_update(grad=self.y))  # u_k - a y_k, as the local optimizer shapes it
+        if communicate:
+            u, v, cy = self.wait(self.start_push([self.u, self.v, self.y], self.mixing_weights()))
+            self.u.copy_(u)
+            self.v.copy_(v)
+            self.pushed_y.copy_(cy)
+        else:
+            self.pushed_y.copy_(self.y)
+        torch.div(self.u, self.v, out=self.flat)  # x_{k+1} = u_{k+1} / v_{k+1}
+        self.grad_prev.copy_(self.grad)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {"u": self.u, "v": self.v, "pushed_y": self.pushed_y, "grad_prev": self.grad_prev}
