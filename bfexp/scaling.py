@@ -21,7 +21,6 @@ Importing this module is cheap (no torch): the driver uses it for notes.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -249,10 +248,16 @@ def store_reference(directory: Path | None, key: dict, step_time_s: float, steps
 
 
 def single_rank_reference(
-    cfg: Any, engine: Any, model: Any, make_optimizer: Callable[[Any], Any], batch: tuple[Any, Any], classes: int
+    cfg: Any,
+    engine: Any,
+    make_model: Callable[[], Any],
+    make_optimizer: Callable[[Any], Any],
+    batch: tuple[Any, Any],
+    classes: int,
 ) -> dict:
     """Median step time of one rank training alone (no communication), from the cache
-    or measured by rank 0 while the other ranks sleep. Collective: every rank calls it."""
+    or measured by rank 0 on a fresh model while the other ranks sleep. Collective:
+    every rank calls it."""
     import torch
 
     x, y = batch
@@ -269,7 +274,7 @@ def single_rank_reference(
         source = "measured"
         steps = int(cfg.scaling.get("reference_steps", 20))
         if engine.rank == 0:
-            alone = copy.deepcopy(model)
+            alone = make_model()  # fresh: no hooks of the job's algorithm on it
             times = time_steps(alone, make_optimizer(alone.parameters()), x, y, steps)
             known[0] = statistics.median(times)
             store_reference(directory, key, float(known[0]), steps)
@@ -293,20 +298,21 @@ def baseline_algorithm_config() -> Any:
 
 def baseline_probe(
     engine: Any,
-    model: Any,
+    make_model: Callable[[], Any],
     make_optimizer: Callable[[Any], Any],
     topology: Any,
     next_batch: Callable[[], tuple[Any, Any]],
     steps: int,
 ) -> dict:
-    """`steps` timed steps of the allreduce baseline on a copy of the model, same
-    ranks and batch. Collective. Returns this rank's mean step and blocked time."""
+    """`steps` timed steps of the allreduce baseline on a fresh copy of the model
+    (same architecture and batch, on the same ranks). Collective. Returns this
+    rank's mean step and blocked time."""
     import torch.nn.functional as F
 
     from bfexp.algorithms import build_algorithm
     from bfexp.metrics import StepTimer
 
-    probe = copy.deepcopy(model)
+    probe = make_model()
     optimizer = build_algorithm(baseline_algorithm_config(), make_optimizer(probe.parameters()), engine, topology)
     timer = StepTimer(warmup=2)
     dtype = next(probe.parameters()).dtype
@@ -319,6 +325,7 @@ def baseline_probe(
         optimizer.step()
         timer.stop(engine)
     optimizer.finish()
+    getattr(optimizer, "close", lambda: None)()  # release its hooks
     return {"step_s": timer.mean_step_s, "blocked_s": timer.comm_s / max(1, timer.timed_steps)}
 
 
@@ -447,6 +454,7 @@ def job_figures(
     engine: Any,
     *,
     model: Any,
+    make_model: Callable[[], Any],
     algorithm: Any,
     topology: Any,
     make_optimizer: Callable[[Any], Any],
@@ -462,12 +470,12 @@ def job_figures(
     per_rank = gather_floats(engine, step_s, blocked_s)
     timing = split_timing(per_rank[0], per_rank[1])
     reference_batch = next_batch()
-    single = single_rank_reference(cfg, engine, model, make_optimizer, reference_batch, classes)
+    single = single_rank_reference(cfg, engine, make_model, make_optimizer, reference_batch, classes)
     baseline_timing = None
-    if cfg.algorithm.name == BASELINE:
+    if cfg.algorithm.name == BASELINE or n == 1:  # one rank: nothing to communicate, its own baseline
         baseline_timing = timing
     elif int(cfg.get("baseline_steps", 0)) > 0 and n > 1:
-        probe = baseline_probe(engine, model, make_optimizer, topology, next_batch, int(cfg.baseline_steps))
+        probe = baseline_probe(engine, make_model, make_optimizer, topology, next_batch, int(cfg.baseline_steps))
         probe_rank = gather_floats(engine, probe["step_s"], probe["blocked_s"])
         baseline_timing = split_timing(probe_rank[0], probe_rank[1])
     measured = measured_figures(n, batch, timing, single, baseline_timing, single["source"])
@@ -579,21 +587,25 @@ def throughput_only_ranks(cfg: Any, engine: Any, run_dir: Path) -> dict:
     engine.set_topology(topology)
     shape, classes = sample_shape(cfg.model, cfg.dataset)
     in_features = int(math.prod(shape))
-    model = build_model(cfg.model, in_features, classes, cfg.seed, dtype, in_shape=shape)
+    def make_model() -> Any:
+        return build_model(cfg.model, in_features, classes, cfg.seed, dtype, in_shape=shape)
+
+    model = make_model()
     make_optimizer = lambda params: make_local_optimizer(cfg, params)  # noqa: E731
     steps = max(1, int(cfg.get("baseline_steps", 0)) or 10)
 
     def time_comm(algorithm_cfg: Any) -> tuple[float, float]:
-        copy_ = copy.deepcopy(model)
-        optimizer = build_algorithm(algorithm_cfg, make_optimizer(copy_.parameters()), engine, topology)
+        fresh = make_model()
+        optimizer = build_algorithm(algorithm_cfg, make_optimizer(fresh.parameters()), engine, topology)
         timer = StepTimer(warmup=2)
-        for p in copy_.parameters():
+        for p in fresh.parameters():
             p.grad = torch.zeros_like(p)
         for _ in range(steps + timer.warmup):
             timer.start(engine)
             optimizer.step()
             timer.stop(engine)
         optimizer.finish()
+        getattr(optimizer, "close", lambda: None)()
         return timer.mean_step_s, timer.comm_s / max(1, timer.timed_steps)
 
     own_step, own_blocked = time_comm(cfg.algorithm)
@@ -609,7 +621,7 @@ def throughput_only_ranks(cfg: Any, engine: Any, run_dir: Path) -> dict:
         g = torch.Generator().manual_seed(cfg.seed)
         x = torch.randn(batch, *shape, generator=g, dtype=dtype)
         y = torch.randint(0, classes, (batch,), generator=g)
-        single = single_rank_reference(cfg, engine, model, make_optimizer, (x, y), classes)
+        single = single_rank_reference(cfg, engine, make_model, make_optimizer, (x, y), classes)
     compute_s = batch / single["samples_per_s"]
     overlap = bool(cfg.algorithm.get("overlap", True))
     backward = float(cfg.scaling.backward_fraction)

@@ -159,8 +159,13 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
         bx, by = probe_sampler.next()
         return bx.to(model_device), by.to(model_device)
 
+    def make_model() -> torch.nn.Module:  # a fresh copy of the architecture for the probes
+        return build_model(
+            cfg.model, data.in_features, data.classes, cfg.seed, dtype, in_shape=tuple(data.train_x.shape[1:])
+        ).to(model_device)
+
     summary.update(job_figures(
-        cfg, engine, model=model, algorithm=optimizer, topology=topology,
+        cfg, engine, model=model, make_model=make_model, algorithm=optimizer, topology=topology,
         make_optimizer=lambda params: make_local_optimizer(cfg, params), next_batch=next_batch,
         classes=data.classes, batch=sampler.batch_size,
         step_s=timer.mean_step_s, blocked_s=timer.comm_s / max(1, timer.timed_steps),
