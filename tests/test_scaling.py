@@ -187,3 +187,14 @@ def test_bad_scaling_input_exits_2(bfexp, args, message):
     proc = bfexp(*args, "hydra.run.dir=run")
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_virtual_ranks_headline_the_model_beside_the_measurement(bfexp, tmp_path):
+    proc = bfexp("engine=threads", "ranks=4", "steps=10", "log_every=5", "baseline_steps=3",
+                 f"scaling.reference_cache={tmp_path / 'cache'}", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    s = load(bfexp.cwd / "run" / "summary.json")
+    assert s["engine"] == "threads" and s["time_source"] == "modeled"
+    check_figures(s)
+    assert {k: s[k] for k in FIGURES} == {k: s["modeled"][k] for k in FIGURES}
+    check_figures({**s["measured"], "ranks": 4, "batch_size": s["batch_size"]})
