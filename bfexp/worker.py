@@ -26,6 +26,7 @@ from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, load_rank_data
 from bfexp.metrics import StepTimer, consensus_distance, evaluate, global_mean
 from bfexp.models import build_model
+from bfexp.timeline import Timeline, span
 from bfexp.topology import build_topology
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,6 +59,8 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
     """
     rank, size = engine.rank, engine.size
     started = time.perf_counter()
+    if cfg.engine.get("timeline", False) and engine.timeline is None:  # Chrome trace per rank (Perfetto)
+        engine.timeline = Timeline(run_dir / "timeline" / f"rank{rank}.json", rank)
     if cfg.get("throughput_only", False):  # no training: time communication, model the rest
         from bfexp.scaling import throughput_only_ranks
 
@@ -89,9 +92,12 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
         x, y = x.to(device), y.to(device)
         timer.start(engine)
         optimizer.zero_grad()
-        loss = F.cross_entropy(net(x.to(dtype)).float(), y)
-        loss.backward()
-        optimizer.step()
+        with span(engine.timeline, "forward"):
+            loss = F.cross_entropy(net(x.to(dtype)).float(), y)
+        with span(engine.timeline, "backward"):
+            loss.backward()
+        with span(engine.timeline, "step"):
+            optimizer.step()
         timer.stop(engine)
         interval_loss += float(loss.detach())
         interval_n += 1
@@ -174,6 +180,8 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
     summary["wall_time_s"] = time.perf_counter() - started
     if rank == 0:
         results.write_json_atomic(run_dir / results.SUMMARY, summary)
+    if engine.timeline is not None:
+        engine.timeline.save()
     return summary
 
 
@@ -221,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         train(cfg, engine, run_dir)
     except BaseException as exc:
         record_failure(run_dir, engine.rank, exc)
+        if engine.timeline is not None:  # what happened up to the failure
+            engine.timeline.save()
         raise  # mpi4py's runner turns this into MPI_Abort: every rank ends
 
 
