@@ -315,6 +315,10 @@ def _mismatch(e) -> Any:
     res["size"] = _expect_comm_error(lambda: e.neighbor_allreduce(y, 0.5, {j: 0.5 for j in s}, d))
     # neighbor_allgather: rank 1 sends to rank 0, which does not expect it.
     res["allgather_pattern"] = _expect_comm_error(lambda: e.neighbor_allgather(x, [], [0] if r == 1 else []))
+    if e.machines > 1:
+        # Machine 0 expects from machine 1, which does not send.
+        src_m = {1: 0.5} if e.machine == 0 else {}
+        res["hierarchical_pattern"] = _expect_comm_error(lambda: e.hierarchical_neighbor_allreduce(x, 0.5, src_m, []))
     # The engine still works afterwards.
     e.set_topology(Exp2(n))
     res["after"] = dump(e.neighbor_allreduce(x))
