@@ -333,14 +333,18 @@ def pattern_problems(
             problems.append(f"{unit} {i} expects to receive from {unit} {j}, but {unit} {j} does not send to {unit} {i}")
         else:
             problems.append(f"{unit} {j} sends to {unit} {i}, but {unit} {i} does not expect to receive from {unit} {j}")
-    if numels is not None or dtypes is not None:
-        for i, j in np.argwhere(sends.T & expects).tolist():
-            if numels is not None and numels[i] != numels[j]:
-                problems.append(f"{unit} {j} sends {numels[j]} elements to {unit} {i}, which has {numels[i]}")
-            if dtypes is not None and dtypes[i] != dtypes[j]:
-                problems.append(
-                    f"{unit} {j} sends {CODE_DTYPES.get(dtypes[j])} to {unit} {i}, which has {CODE_DTYPES.get(dtypes[i])}"
-                )
+    edges = sends.T & expects  # (i, j): j sends to i and i expects it
+    if numels is not None:
+        numels = np.asarray(numels)
+        for i, j in np.argwhere(edges & (numels[:, None] != numels[None, :])).tolist():
+            problems.append(f"{unit} {j} sends {numels[j]} elements to {unit} {i}, which has {numels[i]}")
+    if dtypes is not None:
+        dtypes = np.asarray(dtypes)
+        for i, j in np.argwhere(edges & (dtypes[:, None] != dtypes[None, :])).tolist():
+            problems.append(
+                f"{unit} {j} sends {CODE_DTYPES.get(int(dtypes[j]))} to {unit} {i}, "
+                f"which has {CODE_DTYPES.get(int(dtypes[i]))}"
+            )
     return problems
 
 
