@@ -54,7 +54,6 @@ from bfexp.comm.engine import (
     DstWeights,
     Engine,
     Handle,
-    NeighborSpec,
     TensorOrList,
     Weights,
     as_list,
