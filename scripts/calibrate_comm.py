@@ -1,6 +1,6 @@
 """Calibrate the cost model on this machine, then check its predictions.
 
-    python scripts/calibrate_comm.py [--ranks 2,4,8] [--sizes 1M,4M,16M,64M] [--reps 7] [--json PATH]
+    python scripts/calibrate_comm.py [--ranks 2,4,8] [--sizes 1M,4M,16M,64M] [--reps 9] [--json PATH]
 
 Starts ``mpiexec -n max(ranks)`` on itself and measures, through the MPI
 engine, in rounds (the first one warms up and is dropped):
@@ -13,11 +13,11 @@ engine, in rounds (the first one warms up and is dropped):
    our neighbor_allreduce on the static exp2 graph, one call each, timed as
    the slowest rank's, the ranks outside n sleeping meanwhile.
 
-Each round's prediction (bfexp/costmodel.py: ring allreduce, neighbor
+Calibration and measurement alternate, so on a shared machine both see the
+same load. The prediction (bfexp/costmodel.py: ring allreduce, neighbor
 exchange, ranks beyond this machine's cores slowing copies by ranks/cores)
-from that round's alpha, beta and gamma alone is compared with that round's
-measurement, so both see the same load on a shared machine. It prints
-medians over rounds, the ratio measured / predicted, and the lines for
+uses only the median alpha, beta and gamma over rounds; it is printed
+beside the median measured time with their ratio, and the lines for
 conf/scaling/local.yaml.
 """
 
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4,8", help="rank counts to measure (default 2,4,8)")
     p.add_argument("--sizes", default="1M,4M,16M,64M", help="float32 elements per message (default 1M,4M,16M,64M)")
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions per point; the median is kept")
+    p.add_argument("--reps", type=int, default=9, help="rounds (calibration, then every op); medians are kept")
     p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -109,23 +109,33 @@ class Group:
         return out
 
 
+def combine_work(size: int):
+    """What neighbor_allreduce does after a one-peer transfer: out = 0.5 x, out += 0.5 received."""
+    x, recv = buffer("x", size), buffer("recv", size)
+
+    def run():
+        y = x * 0.5
+        y.add_(recv, alpha=0.5)
+
+    return run
+
+
 def link_round(group: Group, sizes: list[int]) -> dict:
     """One round of the link calibration on two ranks (through the engine)."""
     engine, peer = group.engine, 1 - group.engine.rank
     exchange, combine = {}, {}
     for size in sizes:
-        x, recv = buffer("x", size), buffer("recv", size)
-
-        def local_combine():  # what neighbor_allreduce does after the transfer
-            y = x * 0.5
-            y.add_(recv, alpha=0.5)
-
-        combine[size] = timed_once(group.comm, local_combine)
-        exchange[size] = timed_once(group.comm, lambda: engine.neighbor_allreduce(x, 0.5, {peer: 0.5}, [peer]))
+        x = buffer("x", size)
+        # three calls each, the median kept: the link is the yardstick of every prediction
+        combine[size] = statistics.median(timed_once(group.comm, combine_work(size)) for _ in range(3))
+        exchange[size] = statistics.median(
+            timed_once(group.comm, lambda: engine.neighbor_allreduce(x, 0.5, {peer: 0.5}, [peer])) for _ in range(3)
+        )
     alpha = max(1e-7, exchange[1] - combine[1])
-    link = {"alpha_s": alpha, "beta_s_per_byte": {}, "gamma_s_per_byte": {}}
+    link = {"alpha_s": alpha, "beta_s_per_byte": {}, "gamma_s_per_byte": {}, "combine_s": {}}
     for s in sizes:
         if s > 1:  # per size: memory effects (caches, fresh pages) change with the size
+            link["combine_s"][str(s)] = combine[s]
             link["gamma_s_per_byte"][str(s)] = combine[s] / (2 * 4 * s)  # per byte of each of the 2 vectors
             link["beta_s_per_byte"][str(s)] = max(1e-13, (exchange[s] - alpha - combine[s]) / (4 * s))
     return link
@@ -197,7 +207,8 @@ def local_cluster(alpha_s: float, beta_s_per_byte: float, gamma_s_per_byte: floa
 
 
 def predict(link: dict, cores: int, op: str, n: int, size: int) -> float:
-    """The cost model's time for one of our ops, from the pair's link figures at that size alone."""
+    """The cost model's time for one of our ops on n ranks, from the pair's link figures at
+    that size alone (ranks beyond `cores` slow every copy and reduction by n / cores)."""
     from bfexp import costmodel
     from bfexp.topology import Exp2
 
@@ -205,13 +216,15 @@ def predict(link: dict, cores: int, op: str, n: int, size: int) -> float:
     cluster = local_cluster(link["alpha_s"], link["beta_s_per_byte"][key], link["gamma_s_per_byte"][key], cores)
     nbytes = 4 * size
     if op == "allreduce":
-        # ring allreduce, then the engine divides the sum by n (one more pass over the vector)
-        return costmodel.ring_allreduce_s(cluster, n, nbytes) + cluster.reduce_s(nbytes, n)
+        # Our out-of-place allreduce copies the input into a buffer of its own, ring-reduces
+        # it (MPI) and divides by n: two passes over the vector besides the ring.
+        return costmodel.ring_allreduce_s(cluster, n, nbytes) + cluster.reduce_s(2 * nbytes, n)
     return costmodel.neighbor_exchange_s(cluster, Exp2(n), nbytes)
 
 
 def build_report(rounds: list[dict]) -> dict:
-    """Medians over rounds: the link, each op's time, its prediction and the ratio of the two."""
+    """The link's median over rounds, each op's median time, the model's prediction from
+    that link alone, and their ratio (medians resist the odd slow round on a shared machine)."""
     from bfexp.scaling import processor_count
 
     cores = processor_count()
@@ -223,10 +236,10 @@ def build_report(rounds: list[dict]) -> dict:
     for n, by_size in rounds[0]["ops"].items():
         for size, ops in by_size.items():
             for op in ops:
-                measured = [r["ops"][n][size][op] for r in rounds]
-                predicted = [predict(r["link"], cores, op, int(n), int(size)) for r in rounds]
-                rows.append({"op": op, "ranks": int(n), "floats": int(size), "measured_s": med(measured),
-                             "predicted_s": med(predicted), "ratio": med(m / p for m, p in zip(measured, predicted))})
+                measured = med(r["ops"][n][size][op] for r in rounds)
+                predicted = predict(link, cores, op, int(n), int(size))
+                rows.append({"op": op, "ranks": int(n), "floats": int(size), "measured_s": measured,
+                             "predicted_s": predicted, "ratio": measured / predicted})
     return {"cores": cores, "link": link, "rows": rows, "rounds": rounds, "machine_shared": True}
 
 
@@ -237,7 +250,7 @@ def print_report(report: dict) -> None:
     for size in link["beta_s_per_byte"]:
         print(f"  {int(size) >> 20:>4}M floats: bandwidth {1e-9 / link['beta_s_per_byte'][size]:.2f} GB/s, "
               f"combine {1e-9 / link['gamma_s_per_byte'][size]:.2f} GB/s")
-    print(f"{len(report['rounds'])} rounds; medians over rounds (ratio: median of each round's measured / predicted)")
+    print(f"{len(report['rounds'])} rounds; medians over rounds; predicted from the median link alone")
     print(f"{'op':<20}{'ranks':>6}{'floats':>10}{'measured ms':>13}{'predicted ms':>14}{'ratio':>8}")
     for r in report["rows"]:
         print(f"{r['op']:<20}{r['ranks']:>6}{r['floats'] >> 20:>9}M{r['measured_s'] * 1e3:>13.2f}"
