@@ -162,24 +162,46 @@ def exp2_weights(rank: int, n: int) -> tuple[float, dict, list]:
     return w.self_weight, w.src_weights, list(w.dst_weights)
 
 
+def available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); a large number elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 50
+
+
+def footprint_bytes(n: int, size: int) -> int:
+    """What n ranks hold for one op on `size` floats: the input, allreduce's output, one
+    receive buffer per exp2 in-neighbor and the combined output, per rank."""
+    return n * 4 * size * (3 + (n - 1).bit_length())
+
+
 def worker(args: argparse.Namespace) -> None:
-    """Rounds of (link calibration, then every op): each round's prediction is compared
-    with the measurements taken right after it, so both see the same load on a shared
-    machine; the first round warms up and is dropped."""
+    """Rounds of (link calibration, then every op), so calibration and measurement see the
+    same load on a shared machine; the first round warms up and is dropped. Rank counts
+    and sizes that would take more than half the available memory are skipped."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
+    budget = world.bcast(available_bytes() // 2 if world.Get_rank() == 0 else None, root=0)
     link_sizes = [1, *[s for s in args.size_list if s > 1 << 16]] or [1, 1 << 22]
     pair = Group(world, 2)
     groups = {n: Group(world, n) for n in args.rank_counts if n <= world.Get_size()}
+    sizes = {n: [s for s in args.size_list if footprint_bytes(n, s) <= budget] for n in groups}
+    skipped = [f"{n} ranks x {s >> 20}M floats (~{footprint_bytes(n, s) / 1e9:.1f} GB)"
+               for n in groups for s in args.size_list if s not in sizes[n]]
     rounds = []
     for r in range(args.reps + 1):
         link = pair.run(lambda g: link_round(g, link_sizes))
-        ops = {str(n): g.run(lambda g: ops_round(g, args.size_list)) for n, g in groups.items()}
+        ops = {str(n): g.run(lambda g, n=n: ops_round(g, sizes[n])) for n, g in groups.items()}
         if r and world.Get_rank() == 0:
             rounds.append({"link": link, "ops": ops})
     if world.Get_rank() == 0:
         report = build_report(rounds)
+        report["skipped"] = skipped
         print_report(report)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -255,6 +277,8 @@ def print_report(report: dict) -> None:
     for r in report["rows"]:
         print(f"{r['op']:<20}{r['ranks']:>6}{r['floats'] >> 20:>9}M{r['measured_s'] * 1e3:>13.2f}"
               f"{r['predicted_s'] * 1e3:>14.2f}{r['ratio']:>8.2f}")
+    if report.get("skipped"):
+        print(f"skipped, over half the available memory: {', '.join(report['skipped'])}")
     largest = max(link["beta_s_per_byte"], key=int)
     print(f"\nconf/scaling/local.yaml (figures at the largest size, {int(largest) >> 20}M floats):")
     print(f"intra_latency_s: {link['alpha_s']:.3g}")
