@@ -140,6 +140,32 @@ def _allreduce_inplace(e) -> Any:
     return res
 
 
+LARGE = (1 << 21) + 5  # 8 MiB of float32 and a little more, split unevenly over ranks
+LARGE_SAMPLE = list(range(0, LARGE, 4099)) + [LARGE - 1]
+
+
+def sample(t: Any) -> dict:
+    """A large result by a strided sample of its elements and its float64 sum."""
+    flat = t.detach().reshape(-1).double()
+    return {"sample": flat[LARGE_SAMPLE].tolist(), "sum": float(flat.sum()), "shape": list(t.shape), "dtype": str(t.dtype)}
+
+
+@check("allreduce_large")
+def _allreduce_large(e) -> Any:
+    """Buffers large enough for engines' bandwidth algorithms (e.g. a ring), blocking and not."""
+    r = e.rank
+    res = {
+        "avg_float32": sample(e.allreduce(rank_input(r, LARGE, 40, torch.float32), op="avg")),
+        "sum_float64": sample(e.allreduce(rank_input(r, LARGE, 41), op="sum")),
+        "avg_bfloat16": sample(e.allreduce(rank_input(r, LARGE, 42, torch.bfloat16), op="avg")),
+    }
+    x = rank_input(r, LARGE, 43, torch.float32)
+    h = e.iallreduce_(x, op="avg")
+    h.wait()
+    res["nonblocking_inplace"] = sample(x)
+    return res
+
+
 @check("allgather")
 def _allgather(e) -> Any:
     r = e.rank

@@ -150,6 +150,26 @@ def ref_allreduce_inplace(out: list, n: int) -> None:
         close_list(o["separate"], [X(n, 3, 4).mean(0), X(n, 2, 5).mean(0)])
 
 
+def ref_allreduce_large(out: list, n: int) -> None:
+    def stats(salt: int) -> tuple[np.ndarray, np.ndarray]:
+        Xs = np.stack([C.rank_input(r, C.LARGE, salt).numpy() for r in range(n)])
+        return Xs.sum(0), Xs.mean(0)
+
+    idx = C.LARGE_SAMPLE
+    for o in out:
+        for key, salt, dtype, kind in (
+            ("avg_float32", 40, "float32", 1),
+            ("sum_float64", 41, "float64", 0),
+            ("avg_bfloat16", 42, "bfloat16", 1),
+            ("nonblocking_inplace", 43, "float32", 1),
+        ):
+            expected = stats(salt)[kind]
+            got = o[key]
+            assert got["shape"] == [C.LARGE] and got["dtype"] == f"torch.{dtype}"
+            np.testing.assert_allclose(got["sample"], expected[idx], rtol=0, atol=TOL[dtype])
+            assert got["sum"] == pytest.approx(expected.sum(), abs=TOL[dtype] * C.LARGE / 10)
+
+
 def ref_allgather(out: list, n: int) -> None:
     rows = np.concatenate([rows_of(r, 6) for r in range(n)])
     second = np.concatenate([C.rank_input(r, 6, 7).numpy().reshape(2, 3) for r in range(n)])
@@ -335,6 +355,7 @@ REFERENCES: dict[str, Callable[[list, int], None]] = {
     "allreduce": ref_allreduce,
     "allreduce_list": ref_allreduce_list,
     "allreduce_inplace": ref_allreduce_inplace,
+    "allreduce_large": ref_allreduce_large,
     "allgather": ref_allgather,
     "broadcast": ref_broadcast,
     "barrier": ref_barrier,
