@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"ranks failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     data = json.loads(line[len("RESULT "):])
     medians = {label: statistics.median(ts) for label, ts in data["times"].items()}
-    print(f"{args.ranks} ranks, MLP {args.features}-{args.hidden}-10 ({data['params'] / 1e6:.2f}M float32 params), "
+    print(f"{args.ranks} ranks, MLP {args.features}-{args.hidden.replace(',', '-')}-10 ({data['params'] / 1e6:.2f}M float32 params), "
           f"batch {args.batch}, bucket_mb={args.bucket_mb}, topology={args.topology}, cores here: {os.cpu_count()}")
     print(f"median over {args.repeats} rounds of {args.steps} steps:")
     print(f"{'algorithm':<16} {'overlap on (s)':>15} {'overlap off (s)':>16} {'on/off':>8}")

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
+
 from bfexp.algorithms.base import DecentralizedOptimizer, Requirements
 from bfexp.algorithms.buckets import Bucket
 from bfexp.comm.engine import Handle
@@ -45,6 +47,7 @@ class DSGD(DecentralizedOptimizer):
         if self.style not in STYLES:
             raise ValueError(f"algorithm.style={self.style!r}; allowed: {', '.join(STYLES)}")
         self._exchange: Handle | None = None  # awc: W X in flight; cta: W X+ in flight
+        self._sent: torch.Tensor | None = None  # awc: the X that was sent
         self._backward_at = -1  # cta: the iteration of the last backward pass
         self._backward_hooks = []
         if self.style == "cta":
@@ -61,13 +64,17 @@ class DSGD(DecentralizedOptimizer):
         if self.style == "atc":
             super().begin_iteration()  # watch backward for buckets
         elif self.style == "awc" and communicate and self.overlap:
-            self._exchange = self.start_mix(self.flat.clone(), self.mixing_weights())
+            self._start_awc_exchange()
         elif self.style == "cta" and communicate:
             # Combine first: the forward pass must see W X.
             if self._exchange is None:
                 self._exchange = self.start_mix(self.flat, self.mixing_weights())
             self.flat.copy_(self.wait(self._exchange))
             self._exchange = None
+
+    def _start_awc_exchange(self) -> None:
+        self._sent = self.flat.clone()  # X, kept: the update adds W X - X
+        self._exchange = self.start_mix(self._sent, self.mixing_weights())
 
     def _saw_backward(self, param) -> None:
         self._backward_at = self.iteration
@@ -93,10 +100,11 @@ class DSGD(DecentralizedOptimizer):
                 self.flat[bucket.start : bucket.stop].copy_(self.wait(handle))  # W (X - a F(X))
         elif communicate and self.style == "awc":
             if self._exchange is None:
-                self._exchange = self.start_mix(self.flat.clone(), self.mixing_weights())
-            step = self.local_update()  # -a F(X), as the local optimizer shapes it
-            self.flat.copy_(self.wait(self._exchange)).add_(step)  # W X - a F(X)
-            self._exchange = None
+                self._start_awc_exchange()
+            self.local_step()  # X - a F(X), as the local optimizer shapes it
+            # X+ = W X - a F(X) = (X - a F(X)) + (W X - X)
+            self.flat.add_(self.wait(self._exchange)).sub_(self._sent)
+            self._exchange = self._sent = None
         else:  # a local step; for cta the forward pass ran at W X, so X+ = W X - a F(W X)
             self.local_step()
         if self.style == "cta" and self.overlap and self.communicates_now(self.iteration + 1):
