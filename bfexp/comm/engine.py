@@ -218,7 +218,10 @@ def fuse(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     view = adjacent_view(tensors)
     if view is not None:
         return view
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    with torch.no_grad():  # cheaper than a detach per tensor
+        if all(t.dim() == 1 for t in tensors):
+            return torch.cat(tensors)
+        return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def is_view_of(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
@@ -238,12 +241,10 @@ def fuse_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tenso
 
 def unfuse(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Split a flat buffer back into tensors shaped like ``like`` (views, no copy)."""
-    out, offset = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[offset : offset + n].view(t.shape))
-        offset += n
-    return out
+    if len(like) == 1:
+        return [flat.view(like[0].shape)]
+    parts = torch.split(flat, [t.numel() for t in like])
+    return [p if t.dim() == 1 else p.view(t.shape) for p, t in zip(parts, like)]
 
 
 def restore(flat: torch.Tensor, like: Sequence[torch.Tensor], single: bool) -> TensorOrList:

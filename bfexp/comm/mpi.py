@@ -57,7 +57,6 @@ from bfexp.comm.engine import (
     copy_back,
     first_dims,
     fuse,
-    fuse_into,
     is_view_of,
     mismatch_error,
     normalize_dst,
