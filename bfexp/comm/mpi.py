@@ -414,8 +414,17 @@ class MPIEngine(Engine):
 
     name = "mpi"
 
-    def __init__(self, comm: Any = None, ranks_per_machine: int = 0, timeline_from_env: bool = True) -> None:
+    def __init__(
+        self,
+        comm: Any = None,
+        ranks_per_machine: int = 0,
+        timeline_from_env: bool = True,
+        check_neighbors: bool = True,
+    ) -> None:
+        """``check_neighbors=False`` skips the declaration check of neighbor_allreduce (one tiny
+        Allgather among all ranks per call): a mismatch then hangs, as raw MPI does."""
         super().__init__()
+        self.check_neighbors = check_neighbors
         MPI = _mpi()
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         size = self.comm.Get_size()
@@ -708,16 +717,21 @@ class MPIEngine(Engine):
 
         if self.size == 1:
             return self._track(op, nbytes, started, lambda: combine({}), **meta)
-        decl = _Declarations(self.comm, self.size, list(spec.src_weights), list(spec.dst_weights), flat.numel(), flat.dtype)
+        decl = None
+        if self.check_neighbors:
+            decl = _Declarations(
+                self.comm, self.size, list(spec.src_weights), list(spec.dst_weights), flat.numel(), flat.dtype
+            )
         ex = self._post_exchange(self.comm, op, flat, spec, decl, self._next_tag())
 
         def plan() -> Iterator[list]:
-            yield [decl.request]
-            try:
-                ex.verify(self._verdicts)
-            except CommError:
-                self._release(ex)
-                raise
+            if decl is not None:
+                yield [decl.request]
+                try:
+                    ex.verify(self._verdicts)
+                except CommError:
+                    self._release(ex)
+                    raise
             yield ex.send_requests + list(ex.recv_requests.values())
 
         def finish() -> TensorOrList:
