@@ -68,10 +68,14 @@ One-sided windows, for asynchronous algorithms (push-sum, gossip):
 * ``win_weight(name)`` is p; ``own / p`` is the de-biased (push-sum) value.
 * ``win_free(name)`` (collective).
 
-Each put/accumulate/get/update is atomic with respect to the others on the
-same window: a reader never sees half of a put, and the weight always moves
-with its data. Put/accumulate/get/update have nonblocking ``i`` twins.
-After a put and a barrier the target's slot holds the value.
+A window's in- and out-neighbors are fixed when it is created (left out:
+the static topology's); put/accumulate default to every out-neighbor with
+weight 1, get to every in-neighbor with weight 1. Each put/accumulate/get/
+update is atomic with respect to the others on the same window: a reader
+never sees half of a put, and the weight always moves with its data.
+Put/accumulate/get/update have nonblocking ``i`` twins; create and free are
+collective set-up calls and block. After a put and a barrier the target's
+slot holds the value; a get sees whatever the source's own value is then.
 """
 
 from __future__ import annotations
