@@ -72,7 +72,7 @@ def resolve_job(cfg: Any, topology: Topology, engine: str) -> tuple[Topology, st
     one; raises ValueError (one line) for what cannot run.
     """
     cls = algorithm_class(cfg.algorithm.name)
-    cls.check_engine(engine)
+    cls.check_job(cfg, engine)
     return cls.resolve_topology(topology)
 
 

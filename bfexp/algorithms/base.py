@@ -339,6 +339,11 @@ class DecentralizedOptimizer:
         """Raise ValueError (one line) when the rule cannot run on this engine."""
 
     @classmethod
+    def check_job(cls, cfg: Any, engine: str) -> None:
+        """Raise ValueError (one line) when the job's config cannot run this rule (before any rank starts)."""
+        cls.check_engine(engine)
+
+    @classmethod
     def resolve_topology(cls, topology: Topology) -> tuple[Topology, str | None]:
         """The topology this algorithm runs on, and a note when it is not the one asked for.
 

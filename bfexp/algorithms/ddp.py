@@ -69,6 +69,17 @@ class DDP(DecentralizedOptimizer):
                 f"allowed: engine={' or engine='.join(ENGINES)}"
             )
 
+    @classmethod
+    def check_job(cls, cfg: Any, engine: str) -> None:
+        super().check_job(cfg, engine)
+        # Throughput-only on ranks here times step() alone; a modeled cluster starts no rank.
+        if cfg.get("throughput_only", False) and not cfg.scaling.get("modeled", False):
+            raise ValueError(
+                "throughput_only=true times step() alone on these ranks, but algorithm=ddp communicates inside "
+                "backward; allowed: algorithm=allreduce (the same gradient averaging), a modeled scaling config, "
+                "or throughput_only=false"
+            )
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.module is None:

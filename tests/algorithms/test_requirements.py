@@ -103,6 +103,7 @@ def test_cli_runs_exact_diffusion_on_exp2_and_records_what_it_used(bfexp):
         (["algorithm=exact_diffusion", "topology=one_peer_exp2"], "needs a static topology"),
         (["algorithm=ddp", "engine=threads"], "engine=threads"),
         (["algorithm=ddp", "algorithm.communication_period=4"], "algorithm.communication_period=4"),
+        (["algorithm=ddp", "throughput_only=true"], "algorithm=ddp communicates inside backward"),
         (["algorithm=dsgd", "algorithm.style=dta"], "algorithm.style='dta'; allowed: atc, awc, cta"),
         (["algorithm=gradient_tracking", "algorithm.form=next"], "algorithm.form='next'; allowed: diging, atc"),
     ],
