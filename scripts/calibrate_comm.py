@@ -238,9 +238,15 @@ def predict(link: dict, cores: int, op: str, n: int, size: int) -> float:
     cluster = local_cluster(link["alpha_s"], link["beta_s_per_byte"][key], link["gamma_s_per_byte"][key], cores)
     nbytes = 4 * size
     if op == "allreduce":
-        # Our out-of-place allreduce copies the input into a buffer of its own, ring-reduces
-        # it (MPI) and divides by n: two passes over the vector besides the ring.
-        return costmodel.ring_allreduce_s(cluster, n, nbytes) + cluster.reduce_s(2 * nbytes, n)
+        # Our out-of-place allreduce copies the input into a buffer of its own (one pass),
+        # reduces it with a ring, and averages: large buffers go through the engine's own
+        # ring, which divides only the chunk each rank completes (1/n of a pass); smaller
+        # ones through MPI's allreduce and one more pass to divide.
+        from bfexp.comm import mpi
+
+        own_ring = nbytes >= getattr(mpi, "RING_MIN_BYTES", float("inf"))
+        passes = 1 + (1 / n if own_ring else 1)
+        return costmodel.ring_allreduce_s(cluster, n, nbytes) + cluster.reduce_s(passes * nbytes, n)
     return costmodel.neighbor_exchange_s(cluster, Exp2(n), nbytes)
 
 
