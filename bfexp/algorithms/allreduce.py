@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from bfexp.algorithms.base import DecentralizedOptimizer, flat_grad
+from bfexp.algorithms.base import DecentralizedOptimizer, flat_grad, set_flat_grad_
 from bfexp.algorithms.buckets import Bucket
 from bfexp.comm.engine import Handle
 
@@ -43,21 +43,15 @@ class Allreduce(DecentralizedOptimizer):
     def bucket_ready(self, bucket: Bucket) -> Handle:
         part = self.grad[bucket.start : bucket.stop]
         flat_grad(list(bucket.params), out=part)
-        return self.engine.iallreduce(part, op="avg")
+        return self.engine.iallreduce_(part, op="avg")  # in place
 
     def update(self, communicate: bool) -> None:
         if self.communication_period == 1:
-            for bucket, handle in self.buckets.collect():  # type: ignore[union-attr]
-                averaged = self.wait(handle)
-                offset = bucket.start
-                for p in bucket.params:
-                    n = p.numel()
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    p.grad.copy_(averaged[offset - bucket.start : offset - bucket.start + n].view_as(p))
-                    offset += n
+            for _, handle in self.buckets.collect():  # type: ignore[union-attr]
+                self.wait(handle)
+            set_flat_grad_(self.params, self.grad)  # the average gradient
             self.local_step()
             return
         self.local_step()
         if communicate:  # local SGD: average the models every H steps
-            self.flat.copy_(self.wait(self.engine.iallreduce(self.flat, op="avg")))
+            self.wait(self.engine.iallreduce_(self.flat, op="avg"))

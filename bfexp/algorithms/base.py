@@ -156,6 +156,7 @@ class DecentralizedOptimizer:
         self.params: list[torch.nn.Parameter] = _unique([p for g in optimizer.param_groups for p in g["params"]])
         self.flat = flatten_parameters_(self.params)
         self.iteration = 0
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # local_update's buffers
         self.module: torch.nn.Module | None = model  # what the training loop calls forward on
         self._begun_iteration = -1
         if self.uses_topology:
@@ -237,15 +238,18 @@ class DecentralizedOptimizer:
         return self.topology.weights(self.engine.rank, k // self.communication_period)
 
     def start_mix(self, tensor: torch.Tensor, w: RankWeights, scale: float = 1.0) -> Handle:
-        """Start (W X)_i for a row-stochastic W; ``scale`` mixes with (1-s) I + s W instead."""
+        """Start (W X)_i in place for a row-stochastic W; ``scale`` mixes with (1-s) I + s W instead.
+
+        The result is written into ``tensor`` at wait(); leave it alone until then.
+        """
         self_weight = 1.0 - scale + scale * w.self_weight
         src = {j: scale * v for j, v in w.src_weights.items()}
-        return self.engine.ineighbor_allreduce(tensor, self_weight, src, list(w.dst_weights))
+        return self.engine.ineighbor_allreduce_(tensor, self_weight, src, list(w.dst_weights))
 
     def start_push(self, tensor: torch.Tensor, w: RankWeights) -> Handle:
-        """Start (A X)_i for a column-stochastic A: every sender scales what it sends by A[k, i]."""
+        """Start (A X)_i in place for a column-stochastic A: every sender scales what it sends by A[k, i]."""
         src = {j: 1.0 for j in w.src_weights}
-        return self.engine.ineighbor_allreduce(tensor, w.self_weight, src, dict(w.dst_weights))
+        return self.engine.ineighbor_allreduce_(tensor, w.self_weight, src, dict(w.dst_weights))
 
     def wait(self, handle: Handle) -> Any:
         """Wait for a handle, counting the blocked time as communication time."""
@@ -279,14 +283,18 @@ class DecentralizedOptimizer:
         """What the local optimizer would add to the parameters (e.g. -lr * grad for SGD).
 
         Takes the step and undoes it, so a rule can apply the update to
-        another point (W X + update, or a push-sum numerator). ``grad``
-        replaces the gradients first (gradient tracking steps along its tracker).
+        another point (a push-sum numerator). ``grad`` replaces the gradients
+        first (gradient tracking steps along its tracker). The returned
+        buffer is reused by the next call.
         """
         if grad is not None:
             set_flat_grad_(self.params, grad)
-        before = self.flat.clone()
+        if self._scratch is None:
+            self._scratch = (torch.empty_like(self.flat), torch.empty_like(self.flat))
+        before, update = self._scratch
+        before.copy_(self.flat)
         self.local_step()
-        update = self.flat - before
+        torch.sub(self.flat, before, out=update)
         self.flat.copy_(before)
         return update
 

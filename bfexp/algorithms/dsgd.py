@@ -47,7 +47,8 @@ class DSGD(DecentralizedOptimizer):
         if self.style not in STYLES:
             raise ValueError(f"algorithm.style={self.style!r}; allowed: {', '.join(STYLES)}")
         self._exchange: Handle | None = None  # awc: W X in flight; cta: W X+ in flight
-        self._sent: torch.Tensor | None = None  # awc: the X that was sent
+        # awc and cta mix a copy of the model in place (the model itself stays usable meanwhile)
+        self.mixed = torch.empty_like(self.flat) if self.style != "atc" else None
         self._backward_at = -1  # cta: the iteration of the last backward pass
         self._backward_hooks = []
         if self.style == "cta":
@@ -68,13 +69,15 @@ class DSGD(DecentralizedOptimizer):
         elif self.style == "cta" and communicate:
             # Combine first: the forward pass must see W X.
             if self._exchange is None:
-                self._exchange = self.start_mix(self.flat, self.mixing_weights())
-            self.flat.copy_(self.wait(self._exchange))
+                self.wait(self.start_mix(self.flat, self.mixing_weights()))
+            else:
+                self.wait(self._exchange)
+                self.flat.copy_(self.mixed)  # type: ignore[arg-type]
             self._exchange = None
 
     def _start_awc_exchange(self) -> None:
-        self._sent = self.flat.clone()  # X, kept: the update adds W X - X
-        self._exchange = self.start_mix(self._sent, self.mixing_weights())
+        self.mixed.copy_(self.flat)  # type: ignore[union-attr]
+        self._exchange = self.start_mix(self.mixed, self.mixing_weights())  # type: ignore[arg-type]
 
     def _saw_backward(self, param) -> None:
         self._backward_at = self.iteration
@@ -96,20 +99,22 @@ class DSGD(DecentralizedOptimizer):
     # step ----------------------------------------------------------------
     def update(self, communicate: bool) -> None:
         if communicate and self.style == "atc":
-            for bucket, handle in self.buckets.collect():  # type: ignore[union-attr]
-                self.flat[bucket.start : bucket.stop].copy_(self.wait(handle))  # W (X - a F(X))
+            for _, handle in self.buckets.collect():  # type: ignore[union-attr]
+                self.wait(handle)  # each slice of the model now holds W (X - a F(X))
         elif communicate and self.style == "awc":
             if self._exchange is None:
                 self._start_awc_exchange()
+            self.wait(self._exchange)
+            self._exchange = None
+            wx = self.mixed.sub_(self.flat)  # type: ignore[union-attr]  # W X - X
             self.local_step()  # X - a F(X), as the local optimizer shapes it
-            # X+ = W X - a F(X) = (X - a F(X)) + (W X - X)
-            self.flat.add_(self.wait(self._exchange)).sub_(self._sent)
-            self._exchange = self._sent = None
+            self.flat.add_(wx)  # X+ = W X - a F(X)
         else:  # a local step; for cta the forward pass ran at W X, so X+ = W X - a F(W X)
             self.local_step()
         if self.style == "cta" and self.overlap and self.communicates_now(self.iteration + 1):
             # Start the next combine now; begin_iteration completes it.
-            self._exchange = self.start_mix(self.flat.clone(), self.mixing_weights(self.iteration + 1))
+            self.mixed.copy_(self.flat)  # type: ignore[union-attr]
+            self._exchange = self.start_mix(self.mixed, self.mixing_weights(self.iteration + 1))  # type: ignore[arg-type]
 
     def finish(self) -> None:
         if self._exchange is not None:

@@ -42,7 +42,7 @@ class ExactDiffusion(DecentralizedOptimizer):
         super().__init__(*args, **kwargs)
         self.x_last = self.flat.clone()  # x_k: the combined model of the last round
         self.psi = self.flat.clone()  # psi_k; psi_0 = x_0
-        self.phi = torch.empty_like(self.flat)
+        self.correction = torch.empty_like(self.flat)  # x_k - psi_k
 
     @classmethod
     def resolve_topology(cls, topology: Topology) -> tuple[Topology, str | None]:
@@ -70,18 +70,18 @@ class ExactDiffusion(DecentralizedOptimizer):
 
     def bucket_ready(self, bucket: Bucket) -> Handle:
         s = slice(bucket.start, bucket.stop)
-        self.local_step(list(bucket.params))  # psi_{k+1} = x - a grad f(x)
-        psi_new = self.flat[s]
-        torch.add(psi_new, self.x_last[s], out=self.phi[s]).sub_(self.psi[s])  # phi = psi_{k+1} + x_k - psi_k
-        self.psi[s].copy_(psi_new)
-        return self.start_mix(self.phi[s], self.mixing_weights(), scale=0.5)  # W_bar = (I + W) / 2
+        self.local_step(list(bucket.params))  # psi_{k+1} = x_k - a grad f(x_k), in the model
+        torch.sub(self.x_last[s], self.psi[s], out=self.correction[s])  # x_k - psi_k
+        self.psi[s].copy_(self.flat[s])
+        self.flat[s].add_(self.correction[s])  # phi_{k+1} = psi_{k+1} + x_k - psi_k
+        return self.start_mix(self.flat[s], self.mixing_weights(), scale=0.5)  # x_{k+1} = W_bar phi, in place
 
     def update(self, communicate: bool) -> None:
         if not communicate:
             self.local_step()  # local SGD: more "adapt" before the next round
             return
-        for bucket, handle in self.buckets.collect():  # type: ignore[union-attr]
-            self.flat[bucket.start : bucket.stop].copy_(self.wait(handle))  # x_{k+1} = W_bar phi
+        for _, handle in self.buckets.collect():  # type: ignore[union-attr]
+            self.wait(handle)
         self.x_last.copy_(self.flat)
 
     def buffers(self) -> dict[str, torch.Tensor]:

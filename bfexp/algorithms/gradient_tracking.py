@@ -55,14 +55,16 @@ class GradientTracking(DecentralizedOptimizer):
         if self.form == "diging" and self.buckets is not None:  # only the atc form mixes by bucket
             self.buckets.remove()
             self.buckets = None
+        n = self.flat.numel()
         # y_{-1} = 0 and grad_{-1} = 0 make the first update give y_0 = grad f(x_0).
         self.y = torch.zeros_like(self.flat)
         self.grad_prev = torch.zeros_like(self.flat)
         self.grad = torch.zeros_like(self.flat)
-        self.y_half = torch.zeros_like(self.flat)
         # DIGing: x and y share one message when every iteration mixes with the same W.
         assert self.topology is not None
         self.fused = not self.topology.is_dynamic and self.communication_period == 1
+        # DIGing mixes copies in place: [x | y] in one buffer (fused), else one each.
+        self.mixed = torch.zeros(2 * n, dtype=self.flat.dtype, device=self.flat.device) if self.form == "diging" else None
         self._x_exchange: Handle | None = None  # W(k) x_k (fused: [W x_k, W y_{k-1}])
         self._y_exchange: Handle | None = None  # W(k-1) y_{k-1}
 
@@ -74,39 +76,59 @@ class GradientTracking(DecentralizedOptimizer):
         if self.form == "atc":
             if k > 0 and self.communicates_now(k - 1):  # the tracker mixes with W(k-1)
                 self.buckets.arm()  # type: ignore[union-attr]
-        elif not self.communicates_now():
-            return
-        elif self.fused:
-            self._x_exchange = self.start_mix([self.flat.clone(), self.y.clone()], self.mixing_weights())
-        else:
-            self._x_exchange = self.start_mix(self.flat.clone(), self.mixing_weights())
+        elif self.communicates_now():
+            self._x_exchange = self._start_x_exchange()
+
+    def _start_x_exchange(self) -> Handle:
+        n = self.flat.numel()
+        assert self.mixed is not None
+        self.mixed[:n].copy_(self.flat)
+        if self.fused:
+            self.mixed[n:].copy_(self.y)
+            return self.start_mix(self.mixed, self.mixing_weights())
+        return self.start_mix(self.mixed[:n], self.mixing_weights())
+
+    def _start_y_exchange(self, iteration: int) -> Handle:
+        assert self.mixed is not None
+        wy = self.mixed[self.flat.numel() :]
+        wy.copy_(self.y)
+        return self.start_mix(wy, self.mixing_weights(iteration))
 
     def _update_diging(self) -> None:
         k = self.iteration
+        n = self.flat.numel()
+        assert self.mixed is not None
+        wx, wy = self.mixed[:n], self.mixed[n:]
         flat_grad(self.params, out=self.grad)
-        wx, wy = self.flat.clone(), self.y
+        communicate = self.communicates_now()
         if self.fused:
-            handle = self._x_exchange or self.start_mix([self.flat, self.y], self.mixing_weights())
-            wx, wy = self.wait(handle)
+            self.wait(self._x_exchange or self._start_x_exchange())
         else:
             if k > 0 and self.communicates_now(k - 1):
-                wy = self.wait(self._y_exchange or self.start_mix(self.y, self.mixing_weights(k - 1)))
-            if self.communicates_now():
-                wx = self.wait(self._x_exchange or self.start_mix(self.flat, self.mixing_weights()))
+                self.wait(self._y_exchange or self._start_y_exchange(k - 1))
+            else:
+                wy.copy_(self.y)
+            if communicate:
+                self.wait(self._x_exchange or self._start_x_exchange())
         self._x_exchange = self._y_exchange = None
-        self.y.copy_(wy).add_(self.grad).sub_(self.grad_prev)  # y_k = W(k-1) y_{k-1} + grad_k - grad_{k-1}
-        step = self.local_update(grad=self.y)  # -a y_k, as the local optimizer shapes it
-        self.flat.copy_(wx).add_(step)  # x_{k+1} = W(k) x_k - a y_k
-        if not self.fused and self.overlap and self.communicates_now():
-            self._y_exchange = self.start_mix(self.y.clone(), self.mixing_weights())  # W(k) y_k, for step k+1
+        torch.add(wy, self.grad, out=self.y).sub_(self.grad_prev)  # y_k = W(k-1) y_{k-1} + grad_k - grad_{k-1}
+        set_flat_grad_(self.params, self.y)
+        if communicate:
+            wx.sub_(self.flat)  # W(k) x_k - x_k
+            self.local_step()  # x_k - a y_k, as the local optimizer shapes it
+            self.flat.add_(wx)  # x_{k+1} = W(k) x_k - a y_k
+        else:
+            self.local_step()
+        if not self.fused and self.overlap and communicate:
+            self._y_exchange = self._start_y_exchange(k)  # W(k) y_k, for step k+1
 
     # atc -----------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> Handle:
-        # y_k = W(k-1) (y_{k-1} + grad_k - grad_{k-1}), this slice
+        # y_k = W(k-1) (y_{k-1} + grad_k - grad_{k-1}), this slice, in place
         s = slice(bucket.start, bucket.stop)
         flat_grad(list(bucket.params), out=self.grad[s])
-        torch.add(self.y[s], self.grad[s], out=self.y_half[s]).sub_(self.grad_prev[s])
-        return self.start_mix(self.y_half[s], self.mixing_weights(self.iteration - 1))
+        self.y[s].add_(self.grad[s]).sub_(self.grad_prev[s])
+        return self.start_mix(self.y[s], self.mixing_weights(self.iteration - 1))
 
     def _update_atc(self, communicate: bool) -> None:
         k = self.iteration
@@ -114,15 +136,15 @@ class GradientTracking(DecentralizedOptimizer):
             flat_grad(self.params, out=self.grad)
             self.y.copy_(self.grad)  # y_0 = grad f(x_0)
         elif self.communicates_now(k - 1):
-            for bucket, handle in self.buckets.collect():  # type: ignore[union-attr]
-                self.y[bucket.start : bucket.stop].copy_(self.wait(handle))
+            for _, handle in self.buckets.collect():  # type: ignore[union-attr]
+                self.wait(handle)
         else:
             flat_grad(self.params, out=self.grad)
             self.y.add_(self.grad).sub_(self.grad_prev)
         set_flat_grad_(self.params, self.y)
         self.local_step()  # x_k - a y_k, as the local optimizer shapes it
         if communicate:
-            self.flat.copy_(self.wait(self.start_mix(self.flat, self.mixing_weights())))  # W(k) (...)
+            self.wait(self.start_mix(self.flat, self.mixing_weights()))  # x_{k+1} = W(k) (...), in place
 
     # ---------------------------------------------------------------------
     def update(self, communicate: bool) -> None:

@@ -29,28 +29,27 @@ class PushDIGing(DecentralizedOptimizer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.u = self.flat.clone()  # u_0 = x_0
-        self.v = torch.ones(1, dtype=self.flat.dtype, device=self.flat.device)
-        self.y = torch.zeros_like(self.flat)
-        # C_{k-1} y_{k-1}, what the last round delivered; 0 before the first
+        n = self.flat.numel()
+        # What a round pushes, in one buffer mixed in place: [u | v | y].
+        self.pushed = torch.zeros(2 * n + 1, dtype=self.flat.dtype, device=self.flat.device)
+        self.u, self.v, self.pushed_y = self.pushed[:n], self.pushed[n : n + 1], self.pushed[n + 1 :]
+        self.u.copy_(self.flat)  # u_0 = x_0
+        self.v.fill_(1.0)  # v_0 = 1
+        # pushed_y holds C_{k-1} y_{k-1} between steps: 0 before the first
         # (with grad_{-1} = 0 the first update gives y_0 = grad f(x_0)).
-        self.pushed_y = torch.zeros_like(self.flat)
+        self.y = torch.zeros_like(self.flat)  # the tracker y_k
         self.grad = torch.zeros_like(self.flat)
         self.grad_prev = torch.zeros_like(self.flat)
 
     def update(self, communicate: bool) -> None:
         flat_grad(self.params, out=self.grad)
-        torch.add(self.pushed_y, self.grad, out=self.y).sub_(self.grad_prev)  # y_k
+        self.pushed_y.add_(self.grad).sub_(self.grad_prev)  # y_k = C_{k-1} y_{k-1} + grad_k - grad_{k-1}
+        self.y.copy_(self.pushed_y)
         self.u.add_(self.local_update(grad=self.y))  # u_k - a y_k, as the local optimizer shapes it
         if communicate:
-            u, v, cy = self.wait(self.start_push([self.u, self.v, self.y], self.mixing_weights()))
-            self.u.copy_(u)
-            self.v.copy_(v)
-            self.pushed_y.copy_(cy)
-        else:
-            self.pushed_y.copy_(self.y)
+            self.wait(self.start_push(self.pushed, self.mixing_weights()))  # C u, C v, C y in place
         torch.div(self.u, self.v, out=self.flat)  # x_{k+1} = u_{k+1} / v_{k+1}
         self.grad_prev.copy_(self.grad)
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {"u": self.u, "v": self.v, "pushed_y": self.pushed_y, "grad_prev": self.grad_prev}
+        return {"pushed": self.pushed, "y": self.y, "grad_prev": self.grad_prev}

@@ -58,15 +58,15 @@ class PushSum(DecentralizedOptimizer):
 
     def bucket_ready(self, bucket: Bucket) -> Handle:
         s = slice(bucket.start, bucket.stop)
-        z = self.flat[s].clone()
-        self.local_step(list(bucket.params))  # z - a grad f(z)
-        self.numerator[s].add_(self.flat[s] - z)  # x_{k+1/2} = x_k - a grad f(z_k)
-        return self.start_push(self.numerator[self._span(bucket)], self.mixing_weights())
+        self.numerator[s].sub_(self.flat[s])  # x_k - z_k
+        self.local_step(list(bucket.params))  # z_k - a grad f(z_k)
+        self.numerator[s].add_(self.flat[s])  # x_{k+1/2} = x_k - a grad f(z_k)
+        return self.start_push(self.numerator[self._span(bucket)], self.mixing_weights())  # in place
 
     def update(self, communicate: bool) -> None:
         if communicate:
-            for bucket, handle in self.buckets.collect():  # type: ignore[union-attr]
-                self.numerator[self._span(bucket)].copy_(self.wait(handle))  # A x, A w
+            for _, handle in self.buckets.collect():  # type: ignore[union-attr]
+                self.wait(handle)  # the numerator now holds A x and A w
         else:
             self.x.add_(self.local_update())
         torch.div(self.x, self.weight, out=self.flat)  # z = x / w
