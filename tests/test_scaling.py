@@ -118,7 +118,7 @@ def check_figures(summary):
 def test_scaling_sweep_on_the_default_experiment(bfexp, tmp_path):
     """ranks=2,4 on the default experiment: every job measures every figure, probes the
     baseline, models the same job on this machine, and flags contention past the cores."""
-    proc = bfexp("-m", "ranks=2,4", "steps=30", "log_every=10", "baseline_steps=10",
+    proc = bfexp("-m", "ranks=2,4", "steps=20", "log_every=10", "baseline_steps=10", "report=false",
                  "scaling.reference_cache=cache", "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
     summaries = sorted((load(p) for p in (bfexp.cwd / "sweep").glob("*/summary.json")), key=lambda s: s["ranks"])
@@ -142,7 +142,7 @@ def test_throughput_only_resnet50_on_the_v100_cluster(bfexp):
     worked out here from the config's declared figures."""
     proc = bfexp("-m", "throughput_only=true", "scaling=v100_cluster", "model=resnet50", "ranks=128",
                  "engine.ranks_per_machine=8", "batch_size=64", "algorithm=allreduce,dsgd",
-                 "topology=inner_outer_exp2", "hydra.sweep.dir=tp")
+                 "topology=inner_outer_exp2", "report=false", "hydra.sweep.dir=tp")
     assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
     by_algo = {s["algorithm"]: s for s in (load(p) for p in (bfexp.cwd / "tp").glob("*/summary.json"))}
     params, nbytes = 25_557_032, 25_557_032 * 4
