@@ -243,7 +243,15 @@ def store_reference(directory: Path | None, key: dict, step_time_s: float, steps
         return
     results.write_json_atomic(
         reference_path(directory, key),
-        {"key": key, "step_time_s": step_time_s, "steps": steps, "statistic": "median", "measured_at": time.time()},
+        {
+            "key": key,
+            "step_time_s": step_time_s,
+            "steps": steps,
+            "statistic": "median",
+            "measured_at": time.time(),
+            # a busy machine slows the reference for good: say how busy it was
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        },
     )
 
 
