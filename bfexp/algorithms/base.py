@@ -336,7 +336,9 @@ class DecentralizedOptimizer:
     def topology_hint(cls, missing: str) -> str:
         if "column" in missing:
             return "; allowed: topology.weights=column (or a regular graph)"
-        if "doubly" in missing or "symmetric" in missing:
+        if "symmetric" in missing:
+            return "; allowed: an undirected graph (e.g. symmetric_exp2, or topology.undirected())"
+        if "doubly" in missing:
             return "; allowed: a regular graph, or an undirected one with topology.weights=metropolis"
         if "row" in missing:
             return "; allowed: topology.weights=uniform or metropolis"
