@@ -154,7 +154,8 @@ _HEADER = 4  # int64s: numel, dtype code, tensor count, shape signature
 
 
 class _Declarations:
-    """Every rank's declaration of one exchange, gathered by a nonblocking Allgather.
+    """Every rank's declaration of one exchange, gathered by a nonblocking Allgather
+    (``post=False``: by a blocking one later, ``gather()``).
 
     A declaration is four int64s and two bit maps over ``units`` (ranks, or
     machines for hierarchical ops): whom the rank receives from and sends to.
@@ -170,6 +171,7 @@ class _Declarations:
         dtype: torch.dtype,
         count: int = 1,
         signature: int = 0,
+        post: bool = True,
     ) -> None:
         self.units = units
         self.nbits = (units + 7) // 8
@@ -179,7 +181,10 @@ class _Declarations:
         decl[head:] = _pattern_bits(units, tuple(srcs), tuple(dsts))
         self._decl = decl
         self.table = np.empty((comm.Get_size(), decl.size), np.uint8)
-        self.request = comm.Iallgather(decl, self.table)
+        self.request = comm.Iallgather(decl, self.table) if post else None
+
+    def gather(self, comm: Any) -> None:
+        comm.Allgather(self._decl, self.table)
 
     def parse(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(headers (n, 4) int64, expects (n, units) bool, sends (n, units) bool), one row per rank."""
@@ -685,6 +690,30 @@ class MPIEngine(Engine):
     ) -> Handle:
         return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=False)
 
+    def neighbor_allreduce(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None = None,
+        src_weights: Weights | None = None,
+        dst_weights: DstWeights | None = None,
+    ) -> TensorOrList:
+        return self._blocking(
+            "neighbor_allreduce",
+            lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, False, blocking=True).wait(),
+        )
+
+    def neighbor_allreduce_(
+        self,
+        tensors: TensorOrList,
+        self_weight: float | None = None,
+        src_weights: Weights | None = None,
+        dst_weights: DstWeights | None = None,
+    ) -> TensorOrList:
+        return self._blocking(
+            "neighbor_allreduce_",
+            lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, blocking=True).wait(),
+        )
+
     def ineighbor_allreduce_(
         self,
         tensors: TensorOrList,
@@ -701,7 +730,10 @@ class MPIEngine(Engine):
         src_weights: Weights | None,
         dst_weights: DstWeights | None,
         inplace: bool,
+        blocking: bool = False,
     ) -> Handle:
+        """``blocking``: the declarations travel by a blocking Allgather while the data moves
+        (the blocking forms wait anyway; this keeps nonblocking-collective progress out of them)."""
         started = time.perf_counter()
         op = "neighbor_allreduce"
         spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
@@ -726,13 +758,22 @@ class MPIEngine(Engine):
         decl = None
         if self.check_neighbors:
             decl = _Declarations(
-                self.comm, self.size, list(spec.src_weights), list(spec.dst_weights), flat.numel(), flat.dtype
+                self.comm,
+                self.size,
+                list(spec.src_weights),
+                list(spec.dst_weights),
+                flat.numel(),
+                flat.dtype,
+                post=not blocking,
             )
         ex = self._post_exchange(self.comm, op, flat, spec, decl, self._next_tag())
+        if decl is not None and decl.request is None:
+            decl.gather(self.comm)
 
         def plan() -> Iterator[list]:
             if decl is not None:
-                yield [decl.request]
+                if decl.request is not None:
+                    yield [decl.request]
                 try:
                     ex.verify(self._verdicts)
                 except CommError:
