@@ -26,7 +26,6 @@ whatever H is. On the other iterations W = I (a purely local step).
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
@@ -252,12 +251,8 @@ class DecentralizedOptimizer:
         return self.engine.ineighbor_allreduce_(tensor, w.self_weight, src, dict(w.dst_weights))
 
     def wait(self, handle: Handle) -> Any:
-        """Wait for a handle, counting the blocked time as communication time."""
-        t0 = time.perf_counter()
-        try:
-            return handle.wait()
-        finally:
-            self.engine.comm_time_s += time.perf_counter() - t0
+        """Wait for a handle (engine handles count their own blocked time as communication)."""
+        return handle.wait()
 
     def local_step(self, params: list[torch.nn.Parameter] | None = None) -> None:
         """The local optimizer's step on ``params`` only (all when None).
