@@ -66,6 +66,9 @@ def rank_environment(ranks: int) -> dict[str, str]:
     threads = max(1, (os.cpu_count() or 1) // max(1, ranks))
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
+    # Open MPI's UCX one-sided component fails its probe on hosts without UCX
+    # hardware and says so at every window creation; the default (rdma/sm) serves.
+    env.setdefault("OMPI_MCA_osc", "^ucx")
     if os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

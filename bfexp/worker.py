@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         if engine.timeline is not None:  # what happened up to the failure
             engine.timeline.save()
         raise  # mpi4py's runner turns this into MPI_Abort: every rank ends
+    engine.close()  # free windows and communicators before MPI finalizes
 
 
 if __name__ == "__main__":
