@@ -650,7 +650,7 @@ class Engine(abc.ABC):
         self_weight: float | None = None,
         dst_weights: DstWeights | None = None,
     ) -> Handle:
-        raise NotImplementedError(f"engine {self.name} has no windows")
+        return self._push(tensor, name, self_weight, dst_weights, accumulate=False)
 
     def win_put(
         self,
@@ -668,7 +668,36 @@ class Engine(abc.ABC):
         self_weight: float | None = None,
         dst_weights: DstWeights | None = None,
     ) -> Handle:
+        return self._push(tensor, name, self_weight, dst_weights, accumulate=True)
+
+    def _push(
+        self,
+        tensor: torch.Tensor | None,
+        name: str,
+        self_weight: float | None,
+        dst_weights: DstWeights | None,
+        accumulate: bool,
+    ) -> Handle:
+        """put (accumulate=False) or accumulate into the out-neighbors' slots of window ``name``."""
         raise NotImplementedError(f"engine {self.name} has no windows")
+
+    def _check_window_targets(self, w: Any, ranks: Sequence[int], allowed: list[int], role: str, op: str) -> None:
+        """A window op may only reach the neighbors the window was created with."""
+        for r in ranks:
+            if r not in allowed:
+                raise ValueError(
+                    f"rank {self.rank}: {op} on window {w.name!r} with rank {r}, which is not one of its {role} {allowed}"
+                )
+
+    def _window_payload(self, w: Any, tensor: torch.Tensor | None, op: str) -> torch.Tensor:
+        """What a put/accumulate sends: the given tensor (shape and dtype of the window) or the own value."""
+        if tensor is None:
+            return w.own
+        if tensor.dtype != w.dtype or tensor.numel() != w.numel:
+            raise ValueError(
+                f"{op} on window {w.name!r}: got {tensor.numel()} x {tensor.dtype}, the window holds {w.numel} x {w.dtype}"
+            )
+        return tensor.detach().contiguous().view(-1)
 
     def win_accumulate(
         self,
@@ -824,3 +853,26 @@ def check_float(tensors: Iterable[torch.Tensor], op: str) -> None:
                 f"{op} averages, so it needs a floating dtype; got {t.dtype} "
                 f"(allowed: float32, float64, float16, bfloat16)"
             )
+
+
+def machine_problems(op: str, headers: np.ndarray, expects: np.ndarray, sends: np.ndarray, local_size: int) -> list[str]:
+    """Declarations of a hierarchical op: the same on every rank of a machine, consistent among machines."""
+    n = headers.shape[0]
+    problems = []
+    if (headers[:, 0] != headers[0, 0]).any() or (headers[:, 1] != headers[0, 1]).any():
+        bad = int(np.flatnonzero((headers[:, 0] != headers[0, 0]) | (headers[:, 1] != headers[0, 1]))[0])
+        problems.append(
+            f"rank {bad} has {headers[bad, 0]} x {dtype_name(headers[bad, 1])}, "
+            f"rank 0 has {headers[0, 0]} x {dtype_name(headers[0, 1])}"
+        )
+    leaders = list(range(0, n, local_size))
+    for r in range(n):
+        lead = r - r % local_size
+        if (expects[r] != expects[lead]).any() or (sends[r] != sends[lead]).any():
+            problems.append(f"rank {r} declares other machine weights than rank {lead} of its machine")
+    problems += pattern_problems(op, sends[leaders], expects[leaders], unit="machine")
+    return problems
+
+
+def dtype_name(code: int) -> str:
+    return str(CODE_DTYPES.get(int(code), f"dtype#{code}")).replace("torch.", "")

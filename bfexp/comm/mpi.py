@@ -61,9 +61,11 @@ from bfexp.comm.engine import (
     as_list,
     check_float,
     copy_back,
+    dtype_name,
     first_dims,
     fuse,
     is_view_of,
+    machine_problems,
     mismatch_error,
     normalize_dst,
     payload_bytes,
@@ -623,9 +625,9 @@ class MPIEngine(Engine):
         for r in range(n):
             if (heads[r, :3] != head[:3]).any():
                 raise CommError(
-                    f"allgather: rank {r} gives {heads[r, 0]} tensor(s) of {_dtype_name(heads[r, 1])} "
+                    f"allgather: rank {r} gives {heads[r, 0]} tensor(s) of {dtype_name(heads[r, 1])} "
                     f"(trailing shapes #{heads[r, 2]}), rank {self.rank} gives {head[0]} of "
-                    f"{_dtype_name(head[1])} (#{head[2]}); allowed: the same list, only first dims may differ"
+                    f"{dtype_name(head[1])} (#{head[2]}); allowed: the same list, only first dims may differ"
                 )
         if k == 1:
             rows = heads[:, 4:5].copy()
@@ -931,7 +933,7 @@ class MPIEngine(Engine):
         def plan() -> Iterator[list]:
             yield first
             headers, expects, sends = decl.parse()
-            problems = _machine_problems(op, headers, expects, sends, L)
+            problems = machine_problems(op, headers, expects, sends, L)
             if problems:
                 for t in scratch:
                     self._pool.give(t)
@@ -1053,40 +1055,6 @@ class MPIEngine(Engine):
         w.pending = [f for f in w.pending if not f.done()] + [future]
         return self._track(op, nbytes, started, future.result, future.done, **meta)
 
-    def _check_targets(self, w: _Window, ranks: Sequence[int], allowed: list[int], role: str, op: str) -> None:
-        for r in ranks:
-            if r not in allowed:
-                raise ValueError(
-                    f"rank {self.rank}: {op} on window {w.name!r} with rank {r}, which is not one of its {role} {allowed}"
-                )
-
-    def _payload(self, w: _Window, tensor: torch.Tensor | None, op: str) -> torch.Tensor:
-        if tensor is None:
-            return w.own
-        if tensor.dtype != w.dtype or tensor.numel() != w.numel:
-            raise ValueError(
-                f"{op} on window {w.name!r}: got {tensor.numel()} x {tensor.dtype}, the window holds {w.numel} x {w.dtype}"
-            )
-        return tensor.detach().contiguous().view(-1)
-
-    def iwin_put(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._push(tensor, name, self_weight, dst_weights, accumulate=False)
-
-    def iwin_accumulate(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._push(tensor, name, self_weight, dst_weights, accumulate=True)
-
     def _push(
         self,
         tensor: torch.Tensor | None,
@@ -1100,8 +1068,8 @@ class MPIEngine(Engine):
         w = self._window(name)
         dst = normalize_dst(dst_weights)
         dst = {d: 1.0 for d in w.dsts} if dst is None else dst
-        self._check_targets(w, list(dst), w.dsts, "destinations", op)
-        x = self._payload(w, tensor, op)
+        self._check_window_targets(w, list(dst), w.dsts, "destinations", op)
+        x = self._window_payload(w, tensor, op)
         nbytes = w.row_bytes * len(dst)
         return self._run_window_op(
             w, op, nbytes, started, lambda: self._win_push(w, x, dst, self_weight, accumulate), dst=sorted(dst), window=name
@@ -1154,7 +1122,7 @@ class MPIEngine(Engine):
         started = time.perf_counter()
         w = self._window(name)
         src = {s: 1.0 for s in w.srcs} if src_weights is None else {int(k): float(v) for k, v in src_weights.items()}
-        self._check_targets(w, list(src), w.srcs, "sources", "win_get")
+        self._check_window_targets(w, list(src), w.srcs, "sources", "win_get")
         return self._run_window_op(
             w, "win_get", w.row_bytes * len(src), started, lambda: self._win_get(w, src), src=sorted(src), window=name
         )
@@ -1189,7 +1157,7 @@ class MPIEngine(Engine):
             uniform = 1.0 / (1 + len(w.srcs))
             self_weight, src_weights = uniform, {s: uniform for s in w.srcs}
         src = {int(k): float(v) for k, v in src_weights.items()}
-        self._check_targets(w, list(src), w.srcs, "sources", "win_update")
+        self._check_window_targets(w, list(src), w.srcs, "sources", "win_update")
         return self._run_window_op(
             w, "win_update", 0, started, lambda: self._win_update(w, float(self_weight), src, reset), window=name
         )
@@ -1220,28 +1188,3 @@ class MPIEngine(Engine):
         for c in (self._aux, self._local, self._cross):
             c.Free()
         self._pool.clear()
-
-
-def _machine_problems(op: str, headers: np.ndarray, expects: np.ndarray, sends: np.ndarray, local_size: int) -> list[str]:
-    """Declarations of a hierarchical op: the same on every rank of a machine, consistent among machines."""
-    n = headers.shape[0]
-    problems = []
-    if (headers[:, 0] != headers[0, 0]).any() or (headers[:, 1] != headers[0, 1]).any():
-        bad = int(np.flatnonzero((headers[:, 0] != headers[0, 0]) | (headers[:, 1] != headers[0, 1]))[0])
-        problems.append(
-            f"rank {bad} has {headers[bad, 0]} x {_dtype_name(headers[bad, 1])}, "
-            f"rank 0 has {headers[0, 0]} x {_dtype_name(headers[0, 1])}"
-        )
-    leaders = list(range(0, n, local_size))
-    for r in range(n):
-        lead = r - r % local_size
-        if (expects[r] != expects[lead]).any() or (sends[r] != sends[lead]).any():
-            problems.append(f"rank {r} declares other machine weights than rank {lead} of its machine")
-    problems += pattern_problems(op, sends[leaders], expects[leaders], unit="machine")
-    return problems
-
-
-def _dtype_name(code: int) -> str:
-    from bfexp.comm.engine import CODE_DTYPES
-
-    return str(CODE_DTYPES.get(int(code), f"dtype#{code}")).replace("torch.", "")

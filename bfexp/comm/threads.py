@@ -59,9 +59,11 @@ from bfexp.comm.engine import (
     as_list,
     check_float,
     copy_back,
+    dtype_name,
     first_dims,
     fuse,
     is_view_of,
+    machine_problems,
     mismatch_error,
     normalize_dst,
     pattern_problems,
@@ -708,9 +710,9 @@ class ThreadsEngine(Engine):
                 theirs = inputs[r][0]
                 if theirs != head:  # the MPI engine's check and words, raised on every rank
                     raise CommError(
-                        f"allgather: rank {r} gives {theirs[0]} tensor(s) of {_dtype_name(theirs[1])} "
+                        f"allgather: rank {r} gives {theirs[0]} tensor(s) of {dtype_name(theirs[1])} "
                         f"(trailing shapes #{theirs[2]}), rank {me} gives {head[0]} of "
-                        f"{_dtype_name(head[1])} (#{head[2]}); allowed: the same list, only first dims may differ"
+                        f"{dtype_name(head[1])} (#{head[2]}); allowed: the same list, only first dims may differ"
                     )
             parts = [torch.cat([inputs[r][1][i] for r in range(self.size)]) for i in range(len(tensors))]
             return parts[0] if single else parts
@@ -830,7 +832,6 @@ class ThreadsEngine(Engine):
     ) -> Handle:
         """The machine average (taken at the call: it needs only this machine's ranks), then
         each local rank mixes it with the same local rank of the neighbor machines."""
-        from bfexp.comm.mpi import _machine_problems  # the MPI engine's check and words
 
         started = time.perf_counter()
         op = "hierarchical_neighbor_allreduce"
@@ -857,7 +858,7 @@ class ThreadsEngine(Engine):
         receive, ready, _ = self._exchange(
             op, self.machines, list(spec.src_weights), list(spec.dst_weights),
             (flat.numel(), DTYPE_CODES.get(flat.dtype, 0), 1, 0),
-            lambda h, e, s: _machine_problems(op, h, e, s, L),
+            lambda h, e, s: machine_problems(op, h, e, s, L),
             {peer[m]: payload for m, payload in _scaled_sends(average, spec.dst_weights).items()},
             [peer[m] for m in spec.src_weights],
         )
@@ -944,40 +945,6 @@ class ThreadsEngine(Engine):
         result = fn()
         return self._track(op, nbytes, started, lambda: result, None, **meta)
 
-    def _check_targets(self, w: _RankWindow, ranks: Sequence[int], allowed: list[int], role: str, op: str) -> None:
-        for r in ranks:
-            if r not in allowed:
-                raise ValueError(
-                    f"rank {self._rank}: {op} on window {w.name!r} with rank {r}, which is not one of its {role} {allowed}"
-                )
-
-    def _payload(self, w: _RankWindow, tensor: torch.Tensor | None, op: str) -> torch.Tensor:
-        if tensor is None:
-            return w.own
-        if tensor.dtype != w.dtype or tensor.numel() != w.numel:
-            raise ValueError(
-                f"{op} on window {w.name!r}: got {tensor.numel()} x {tensor.dtype}, the window holds {w.numel} x {w.dtype}"
-            )
-        return tensor.detach().contiguous().view(-1)
-
-    def iwin_put(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._push(tensor, name, self_weight, dst_weights, accumulate=False)
-
-    def iwin_accumulate(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._push(tensor, name, self_weight, dst_weights, accumulate=True)
-
     def _push(
         self,
         tensor: torch.Tensor | None,
@@ -991,8 +958,8 @@ class ThreadsEngine(Engine):
         w = self._window(name)
         dst = normalize_dst(dst_weights)
         dst = {d: 1.0 for d in w.dsts} if dst is None else dst
-        self._check_targets(w, list(dst), w.dsts, "destinations", op)
-        x = self._payload(w, tensor, op)
+        self._check_window_targets(w, list(dst), w.dsts, "destinations", op)
+        x = self._window_payload(w, tensor, op)
         return self._window_op(
             op, w.row_bytes * len(dst), started, lambda: self._win_push(w, x, dst, self_weight, accumulate),
             dst=sorted(dst), window=name,
@@ -1028,7 +995,7 @@ class ThreadsEngine(Engine):
         started = time.perf_counter()
         w = self._window(name)
         src = {s: 1.0 for s in w.srcs} if src_weights is None else {int(k): float(v) for k, v in src_weights.items()}
-        self._check_targets(w, list(src), w.srcs, "sources", "win_get")
+        self._check_window_targets(w, list(src), w.srcs, "sources", "win_get")
         return self._window_op(
             "win_get", w.row_bytes * len(src), started, lambda: self._win_get(w, src), src=sorted(src), window=name
         )
@@ -1057,7 +1024,7 @@ class ThreadsEngine(Engine):
             uniform = 1.0 / (1 + len(w.srcs))
             self_weight, src_weights = uniform, {s: uniform for s in w.srcs}
         src = {int(k): float(v) for k, v in src_weights.items()}
-        self._check_targets(w, list(src), w.srcs, "sources", "win_update")
+        self._check_window_targets(w, list(src), w.srcs, "sources", "win_update")
         return self._window_op(
             "win_update", 0, started, lambda: self._win_update(w, float(self_weight), src, reset), window=name
         )
@@ -1090,12 +1057,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _nbytes_list(tensors: Sequence[torch.Tensor]) -> int:
     return sum(_nbytes(t) for t in tensors)
-
-
-def _dtype_name(code: int) -> str:
-    from bfexp.comm.engine import CODE_DTYPES
-
-    return str(CODE_DTYPES.get(int(code), f"dtype#{code}")).replace("torch.", "")
 
 
 def _scaled_sends(flat: torch.Tensor, dst_weights: dict[int, float]) -> dict[int, torch.Tensor]:
