@@ -20,7 +20,7 @@ run: install
 	$(VENV)/bin/bfexp
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) outputs multirun
