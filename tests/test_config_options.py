@@ -39,6 +39,16 @@ def _nccl_unavailable() -> None:
 _nccl_unavailable()
 
 CASES = [(g, o) for g in GROUPS for o in group_options(g)]
+# Options of the other groups run on virtual ranks: the same worker, algorithm
+# and topology code as MPI ranks (bit for bit, tests/test_threads_equivalence.py)
+# without a process launch per job. Engines run themselves; ddp needs processes.
+NEEDS_PROCESSES = {("algorithm", "ddp")}
+
+
+def engine_for(group: str, option: str) -> list[str]:
+    if group == "engine" or (group, option) in NEEDS_PROCESSES:
+        return []
+    return ["engine=threads"]
 
 
 @pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
@@ -46,7 +56,7 @@ def test_option_composes_and_runs(bfexp, group, option):
     if (group, option) in UNAVAILABLE:
         pytest.skip(UNAVAILABLE[(group, option)])
     args = [f"{group}={option}", "ranks=2", "steps=4", "log_every=2", "hydra.run.dir=run",
-            *EXTRA.get((group, option), [])]
+            *engine_for(group, option), *EXTRA.get((group, option), [])]
     proc = bfexp(*args)
     assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
     summary = json.loads((bfexp.cwd / "run" / "summary.json").read_text())
