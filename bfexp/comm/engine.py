@@ -81,6 +81,7 @@ slot holds the value; a get sees whatever the source's own value is then.
 from __future__ import annotations
 
 import abc
+import atexit
 import time
 import zlib
 from dataclasses import dataclass
@@ -409,6 +410,14 @@ class Engine(abc.ABC):
     @property
     def machines(self) -> int:
         return self.size // self.local_size
+
+    def attach_timeline_from_env(self, rank: int) -> None:
+        """Trace into $BFEXP_TIMELINE/rank<N>.json when scripts set it, saved when the process exits."""
+        from bfexp.timeline import Timeline
+
+        self.timeline = Timeline.from_env(rank)
+        if self.timeline is not None:
+            atexit.register(self.timeline.save)
 
     def set_topology(self, topology: "Topology | None") -> None:
         """Static topology used by neighbor ops called without weights."""

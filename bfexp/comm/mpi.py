@@ -36,7 +36,6 @@ level they run inline and their handles come back completed.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import time
 import zlib
@@ -460,11 +459,7 @@ class MPIEngine(Engine):
         self._threaded_windows = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._closed = False
         if timeline_from_env:
-            from bfexp.timeline import Timeline
-
-            self.timeline = Timeline.from_env(rank)
-            if self.timeline is not None:
-                atexit.register(self.timeline.save)
+            self.attach_timeline_from_env(rank)
 
     @property
     def rank(self) -> int:

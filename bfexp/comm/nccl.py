@@ -54,7 +54,6 @@ before any rank starts.
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import time
 import warnings
@@ -299,11 +298,7 @@ class NCCLEngine(Engine):
         self._sub: dict[str, Any] = {}  # NCCL inside the machine / among machines, opened at first use
         self._closed = False
         if timeline_from_env:
-            from bfexp.timeline import Timeline
-
-            self.timeline = Timeline.from_env(rank)
-            if self.timeline is not None:
-                atexit.register(self.timeline.save)
+            self.attach_timeline_from_env(rank)
 
     @property
     def rank(self) -> int:
