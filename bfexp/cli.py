@@ -7,18 +7,26 @@ line on stderr and exit code 2, before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import sys
 from importlib import resources
+from pathlib import Path
 from typing import Any, NoReturn
 
-GROUPS = ("algorithm", "topology", "model", "dataset", "engine", "scaling", "logger")
+from bfexp import checkpoint, results
+
+GROUPS = ("algorithm", "topology", "model", "dataset", "optimizer", "engine", "scaling", "logger", "launcher")
 EXIT_BAD_INPUT = 2
 EXIT_JOB_FAILED = 1
 
 # Status of every job this process ran (a multirun runs several).
 _job_statuses: list[str] = []
+# The job under way (its folder, config, resume command) and whether a sweep stopped (fail_fast).
+_current: dict[str, Any] = {}
 
 
 def group_options(group: str) -> list[str]:
@@ -38,9 +46,12 @@ Config groups (pick one option each, e.g. topology=ring):
 {groups}
 
 Top-level keys: ranks, seed, steps, epochs, batch_size, lr, dtype, log_every,
-  timeout_s, optimizer.{{name,momentum,nesterov,weight_decay,betas}}
-Options have their own keys, e.g. algorithm.style=awc, topology.base=3;
-`bfexp --cfg job algorithm=dsgd` shows them all with their values.
+  timeout_s, checkpoint_every, fail_fast, throughput_only, baseline_steps, report
+Options have their own keys, e.g. algorithm.style=awc, topology.base=3,
+optimizer.momentum=0.9; `bfexp --cfg job algorithm=dsgd` shows them all.
+Your own class: model._target_=mypkg.Net (or a YAML in --config-dir).
+Named studies (conf/experiment/, each with recipes/NAME/README.md):
+  bfexp -m +experiment=NAME      NAME: {experiments}
 
 Examples:
   bfexp                                             DSGD on exp2, 4 MPI ranks
@@ -49,13 +60,15 @@ Examples:
 
 Results land in outputs/<date>/<time>/ (multirun/... for sweeps):
   config.yaml, metrics.jsonl, summary.json, logs/rank<N>.log, .hydra/
+Interrupted or failed: bfexp resume=<run or sweep folder> continues it
+  (a run from its checkpoint; a sweep skips its finished jobs).
 Hydra's own options: bfexp --hydra-help
 """
 
 
 def print_help() -> None:
     rows = [f"  {g:<10} {', '.join(group_options(g))}" for g in GROUPS]
-    print(HELP.format(groups="\n".join(rows)))
+    print(HELP.format(groups="\n".join(rows), experiments=", ".join(group_options("experiment"))))
 
 
 def fail(message: str) -> NoReturn:
@@ -91,81 +104,356 @@ def one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def run_job(cfg: Any) -> str:
-    """One job: validate, launch, report. Returns the job's status."""
-    from hydra.core.hydra_config import HydraConfig
-    from pathlib import Path
+def foreign(target: Any) -> bool:
+    """A target from outside bfexp (torch, the user's package): its ValueErrors are about its arguments."""
+    return not str(getattr(target, "__module__", "")).startswith("bfexp.")
 
-    from bfexp.config import validate
-    from bfexp.launch import LaunchError, check_engine, job_identity, launch
-    from bfexp.progress import ConsoleProgress, print_summary
+
+def dry_build(cfg: Any) -> list[str]:
+    """Build, before any rank starts, everything the ranks will build, as cheaply as possible:
+    the topology, the algorithm's options, requirements and engine, the data set (its files),
+    the model on the meta device and the optimizer on one dummy parameter. Raises
+    ConfigError (one line) for what cannot run; returns notes for the user (e.g. a
+    substituted topology)."""
+    import torch
+
+    from bfexp.comm import engine_class
+    from bfexp.config import ConfigError, build, check_node, check_optimizer_options, label
+    from bfexp.launch import check_memory
+    from bfexp.models import parameter_count, sample_shape
+    from bfexp.watchdog import PROCESS_ONLY_MODES
+    from bfexp.scaling import declared_speed, missing_speed_message
     from bfexp.topology import build_topology
+    from bfexp.worker import job_kind, topology_ranks_per_machine
 
+    def guarded(group: str, target: Any, call: Any) -> Any:
+        try:
+            return call()
+        except (ValueError, TypeError) as e:
+            if isinstance(e, ConfigError) or not foreign(target):
+                raise
+            raise ConfigError(f"{group}._target_={target.__module__}.{target.__qualname__} refused its options: "
+                              f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+    notes = []
+    modeled = job_kind(cfg) == "modeled"
+    topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(cfg))
+    algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
+    algorithm.check_options(**options)
+    if not modeled:
+        engine = engine_class(cfg.engine.name)
+        algorithm.check_run(engine, throughput_only=bool(cfg.throughput_only), modeled=modeled)
+        if cfg.fail_rank is not None and cfg.fail_mode in PROCESS_ONLY_MODES and engine.virtual:
+            raise ConfigError(f"fail_mode={cfg.fail_mode} needs a process per rank (engine={cfg.engine.name} runs "
+                              "ranks as threads of this process); allowed: engine=mpi, or fail_mode=raise or hang")
+    if algorithm.uses_topology:
+        _, note = algorithm.resolve_topology(topology)  # e.g. exact diffusion on exp2's undirected form
+        if note:
+            notes.append(note)
+    dataset_target, _ = check_node(cfg.dataset, "dataset")
+    dataset = guarded("dataset", dataset_target, lambda: build(cfg.dataset, "dataset"))
+    model_target, _ = check_node(cfg.model, "model", runtime=("in_shape", "in_features", "classes"))
+    in_shape, classes = guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
+    parameters = guarded("model", model_target, lambda: parameter_count(cfg.model, in_shape, classes))
+    if not modeled:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
+        check_memory(cfg, int(parameters), torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size())
+    optimizer_target, optimizer_options = check_node(cfg.optimizer, "optimizer", runtime=("params",))
+    check_optimizer_options(optimizer_options)
+    guarded("optimizer", optimizer_target,
+            lambda: build(cfg.optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
+    if modeled and not declared_speed(cfg.scaling, label(cfg.model)):
+        raise ConfigError(missing_speed_message(cfg.scaling, label(cfg.model)))
+    return notes
+
+
+def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
+    """Remove a run folder that holds nothing but what Hydra wrote on its way to our code (.hydra/,
+    its job log), and the parents left empty; a sweep folder left with only multirun.yaml too.
+    Bad input leaves no folder behind; a folder with anything of a run in it stays."""
+    def only_hydra(folder: Path) -> bool:
+        return folder.is_dir() and all(p.name == ".hydra" or (p.is_file() and p.suffix == ".log")
+                                       for p in folder.iterdir())
+
+    cwd = Path.cwd().resolve()
+    folders = [run_dir] if only_hydra(run_dir) else []
+    if sweep_dir is not None and sweep_dir.is_dir():
+        others = [p for p in sweep_dir.iterdir() if p != run_dir and p.name != "multirun.yaml"]
+        if not others or others == [sweep_dir / checkpoint.SKIPPED]:
+            folders.append(sweep_dir)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+        parent = folder.resolve().parent
+        while parent != cwd and cwd in parent.parents:
+            try:
+                parent.rmdir()  # only when empty
+            except OSError:
+                break
+            parent = parent.parent
+
+
+def override_key(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
+
+
+def quote(value: str) -> str:
+    """A value for a Hydra override, whatever it holds (a folder name has `=` and `,` in a sweep)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def resume_arguments(args: list[str]) -> list[str]:
+    """``resume=DIR``: DIR's own command again, into DIR. A run folder continues from its checkpoint
+    (or reruns); a sweep folder (multirun.yaml) skips its finished jobs and reruns the rest.
+    Overrides given beside ``resume=`` replace the saved ones with the same key."""
+    given = [a for a in args if a.startswith("resume=")]
+    if not given:
+        return args
+    if len(given) > 1:
+        fail(f"{' '.join(given)}; allowed: one resume=<run or sweep folder>")
+    folder = Path(given[0].partition("=")[2])
+    rest = [a for a in args if a not in given and a not in ("-m", "--multirun")
+            and override_key(a) not in ("hydra.run.dir", "hydra.sweep.dir")]
+    from omegaconf import OmegaConf
+
+    if (folder / "multirun.yaml").is_file():
+        saved, mode, key = OmegaConf.load(folder / "multirun.yaml").hydra.overrides, ["-m"], "hydra.sweep.dir"
+    elif (folder / ".hydra" / "hydra.yaml").is_file():
+        summary = results.read_json(folder / results.SUMMARY) or {}
+        if summary.get("status") in checkpoint.FINISHED:
+            print(f"bfexp: {folder} already {summary['status']}; nothing to resume")
+            sys.exit(0)
+        saved, mode, key = OmegaConf.load(folder / ".hydra" / "hydra.yaml").hydra.overrides, [], "hydra.run.dir"
+    else:
+        fail(f"resume={folder} is not a bfexp run or sweep folder (no .hydra/hydra.yaml, no multirun.yaml); "
+             "allowed: a folder a bfexp run or sweep wrote")
+    own = {override_key(a) for a in rest}
+    kept = [str(o) for o in list(saved.hydra) + list(saved.task)
+            if override_key(str(o)) not in own | {"hydra.run.dir", "hydra.sweep.dir", "hydra.mode"}]
+    return [*mode, *rest, *kept, f"{key}={quote(str(folder))}"]
+
+
+def resume_command(run_dir: Path) -> str:
+    """What continues this job: its run folder, or in a sweep the sweep folder (finished jobs are skipped)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    folder = run_dir
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        folder = Path(str(HydraConfig.get().sweep.dir))
+    try:
+        folder = folder.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        pass
+    return f"bfexp resume={folder}"
+
+
+def run_job(cfg: Any) -> str:
+    """One job: validate, dry-build, launch, report. Returns the job's status.
+
+    Bad input ends the driver here (one line, exit 2, no folder left); a
+    failed job is announced at once; in a sweep, a finished job's folder is
+    skipped untouched, and fail_fast=true skips the jobs after a failed one.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from bfexp.config import ConfigError, label, validate
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    sweep_dir = Path(str(HydraConfig.get().sweep.dir)) if HydraConfig.get().mode == RunMode.MULTIRUN else None
+    _current.update(run_dir=run_dir, cfg=cfg, resume=resume_command(run_dir))
+    if run_dir.parent.name == checkpoint.SKIPPED:  # this job finished in an earlier run of the sweep
+        finished = run_dir.parent.parent / run_dir.name
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
+        status = (results.read_json(finished / results.SUMMARY) or {}).get("status")
+        print(f"bfexp: job {finished.name} already {status} in {finished}: skipped, its folder untouched", flush=True)
+        _job_statuses.append("skipped")
+        return "skipped"
+    if _current.get("stopped_sweep"):
+        discard_unused(run_dir)
+        _job_statuses.append("not run")
+        return "not run"
     # SystemExit passes through Hydra untouched: one line, exit 2, no ranks started.
     try:
         validate(cfg)
-        topology = build_topology(cfg.topology, cfg.ranks, cfg.engine.ranks_per_machine)
-        check_engine(cfg)  # e.g. engine=nccl without a GPU
-        from bfexp.algorithms import resolve_job  # imports torch: only jobs that run get here
-        from bfexp.launch import choose_engine
+        from bfexp.launch import check_engine, launch, resolve_engine  # imports torch: only jobs that run get here
+        from bfexp.worker import job_kind
 
-        engine = choose_engine(cfg)[0] if cfg.engine.name == "auto" else cfg.engine.name
-        _, algorithm_note = resolve_job(cfg, topology, engine)  # e.g. exact diffusion on exp2's undirected form
-    except (ValueError, LaunchError) as e:
+        if job_kind(cfg) != "modeled":
+            cfg, choice = resolve_engine(cfg)
+            check_engine(cfg)  # e.g. engine=nccl without a GPU
+        else:
+            choice = None
+        notes = dry_build(cfg)
+    except ConfigError as e:
+        discard_unused(run_dir, sweep_dir)
         fail(str(e))
-    if algorithm_note:
-        print(f"note: {algorithm_note}", flush=True)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    from bfexp.scaling import job_note
-
-    note = job_note(cfg)  # e.g. more CPU ranks than cores: measured scaling is contention
-    if note:
+    for note in notes:
         print(f"note: {note}", flush=True)
-    ident = job_identity(cfg)
-    title = f"{ident['algorithm']}/{ident['topology']} x{cfg.ranks}"
+    from bfexp.comm import engine_class
+    from bfexp.scaling import contention_note, processor_count
+
+    if job_kind(cfg) != "modeled":  # more CPU ranks than cores: measured scaling is contention
+        note = contention_note(int(cfg.ranks), processor_count(), engine_class(cfg.engine.name).device_type == "cpu")
+        if note:
+            print(f"note: {note}", flush=True)
+    title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
+    from bfexp.launch import SIGNALS, Interrupted
     from bfexp.loggers import open_tracker
+    from bfexp.progress import ConsoleProgress, print_summary
 
     progress = ConsoleProgress(cfg.steps, title, enabled=cfg.logger.progress, epochs=cfg.epochs)
     with progress, open_tracker(cfg, run_dir) as tracker:
-        result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)))
+        try:
+            result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),
+                            engine_choice=choice)
+        except ConfigError as e:  # e.g. a checkpoint of another experiment in the folder
+            discard_unused(run_dir, sweep_dir)
+            fail(str(e))
         tracker.finish(result.summary)
+    if result.status == "interrupted":
+        result.summary["resume_command"] = resume_command(run_dir)
+        with contextlib.suppress(OSError):
+            results.write_json_atomic(run_dir / results.SUMMARY, result.summary)
     print_summary(result.summary, str(run_dir))
     _job_statuses.append(result.status)
+    if result.status == "failed":  # said now, not only at the end of a sweep
+        print(f"bfexp: job {run_dir.name} failed: {result.summary.get('error')}", file=sys.stderr, flush=True)
+        if sweep_dir is not None and cfg.get("fail_fast"):
+            _current["stopped_sweep"] = f"fail_fast=true: job {run_dir.name} failed"
+            print("bfexp: fail_fast=true: the sweep's remaining jobs are not run", file=sys.stderr, flush=True)
+    if result.status == "interrupted" or SIGNALS.received:
+        signum = SIGNALS.received[0] if SIGNALS.received else signal.SIGTERM
+        what = f"job {result.status}" + (" (it had finished training)" if result.status != "interrupted" else "")
+        resume = f"; resume with: {_current['resume']}" if result.status == "interrupted" or sweep_dir else ""
+        print(f"bfexp: {signal.Signals(signum).name}: {what}{resume}", file=sys.stderr, flush=True)
+        raise Interrupted(signum)  # a sweep stops here too
     return result.status
+
+
+def interrupted_early(signum: int) -> None:
+    """A stop signal before the job's ranks started: say so in its folder, if it has one (cheaply:
+    the driver is ending; the job's identity when the worker is imported already)."""
+    run_dir, cfg = _current.get("run_dir"), _current.get("cfg")
+    if run_dir is None and "planned" in _current:  # Hydra made the folder; bfexp's code had not begun
+        run_dir, cfg = _current["planned"]
+    if run_dir is None or not run_dir.is_dir() or (run_dir / results.SUMMARY).exists():
+        return
+    summary: dict[str, Any] = {}
+    with contextlib.suppress(Exception):  # whatever of the config can be read cheaply
+        summary = {k: cfg[k] for k in ("ranks", "seed", "batch_size", "lr")}
+        if "bfexp.worker" in sys.modules:
+            summary = sys.modules["bfexp.worker"].job_identity(cfg)
+    summary.update(status="interrupted", error=f"interrupted by {signal.Signals(signum).name} before any rank started",
+                   resume_command=_current.get("resume") or f"bfexp resume={run_dir}")
+    with contextlib.suppress(OSError):
+        results.write_json_atomic(run_dir / results.SUMMARY, summary)
+
+
+class RunFolders:
+    """Hydra callback (conf/config.yaml): remembers the folders Hydra makes before bfexp's code runs,
+    so a sweep that fails to compose a job leaves no folder behind, and a signal that arrives
+    before the job's code runs still leaves a summary saying so. Other moments: nothing."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        _current["sweep_dir"] = Path(str(config.hydra.sweep.dir))
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        _current["planned"] = (Path(str(config.hydra.run.dir)), config)
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        for key in ("run_dir", "cfg", "resume"):  # the sweep's previous job is over
+            _current.pop(key, None)
+        _current["planned"] = (Path(str(config.hydra.runtime.output_dir)), config)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return lambda **kwargs: None
+        raise AttributeError(name)
+
+
+def _discard_sweep_folder() -> None:
+    """A sweep that failed to compose a job: the sweep folder Hydra made (only multirun.yaml in it) goes."""
+    sweep = _current.get("sweep_dir")
+    if sweep is not None:
+        discard_unused(sweep / checkpoint.SKIPPED, sweep)
 
 
 def _hydra_entry() -> None:
     import hydra
 
     from bfexp.config import register_configs
+    from bfexp.slurm import register_plugin
 
     register_configs()
+    register_plugin()
     hydra.main(version_base=None, config_path="pkg://bfexp.conf", config_name="config")(run_job)()
 
 
 def main() -> None:
-    args = sys.argv[1:]
+    """The `bfexp` command (``command``). Once torch is loaded it ends without the interpreter's
+    final garbage collection, which then takes seconds (a stopped job must end promptly) and
+    frees nothing the operating system does not."""
+    try:
+        command(sys.argv[1:])
+        code = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    if "torch" not in sys.modules:  # --help, --cfg job, bad input caught early: nothing slow to skip
+        sys.exit(code)
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def command(args: list[str]) -> None:
+    """bfexp's command line: help, or Hydra composing the jobs (``run_job``); exits 2 on bad input,
+    1 when a job failed, 128 + the signal's number when a signal stopped it."""
     if any(a in ("-h", "--help") for a in args):
         print_help()
         return
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from bfexp.config import ConfigError
-    from bfexp.launch import LaunchError
+    from bfexp.errors import ConfigError
 
+    # A user's own `_target_` classes in the working folder import as they would under `python -m`
+    # (the ranks, started with `python -m`, see the same folder).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     debug = os.environ.get("BFEXP_DEBUG") == "1"
     # Let Hydra's errors reach us instead of being printed over many lines.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    from bfexp.launch import SIGNALS, Interrupted
+
+    SIGNALS.install()  # SIGINT/SIGTERM/SIGUSR1: a running job stops at a checkpoint, otherwise we end here
     try:
+        sys.argv[1:] = resume_arguments(args)
         _hydra_entry()
-    except (ConfigError, LaunchError, HydraException, OmegaConfBaseException) as e:
+    except Interrupted as e:
+        interrupted_early(e.signum)
+        sys.exit(128 + e.signum)
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:
         if debug:
             raise
+        _discard_sweep_folder()
         fail(one_line(e))
+    except OSError as e:
+        if debug or "run_dir" in _current:  # a job was under way: not the output folder's fault
+            raise
+        fail(f"cannot create the output folder: {e.strerror or e}: {e.filename}; "
+             "allowed: a folder path where this user can create folders")
     except KeyboardInterrupt:
         sys.exit(130)
-    if any(s == "failed" for s in _job_statuses):
+    from bfexp.slurm import statuses as slurm_statuses  # jobs a Slurm sweep ran
+
+    if any(s == "failed" for s in _job_statuses + slurm_statuses):
         sys.exit(EXIT_JOB_FAILED)
 
 

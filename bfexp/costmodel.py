@@ -15,32 +15,62 @@ ranks / cores.
 
 Step time = compute + the communication that backward does not hide
 (``overlap``), averaged over a local-SGD period (communication every
-``period`` steps). Every formula is written so a test can check it by hand;
-the model is deliberately simple: no congestion inside switches, no
-protocol switch points, transfers of one step run concurrently.
+``period`` steps; an outer optimizer's sync period is one). What a step sends
+is a ``Traffic``, which each algorithm class states as its ``traffic`` (its
+``traffic_of(**options)`` refines it with the run's options: a compressor's
+wire format, Gossip-PGA's global averages): this module knows no algorithm by name and
+imports neither torch nor bfexp.algorithms. Every formula is written so a
+test can check it by hand; the model is deliberately simple: no congestion
+inside switches, no protocol switch points, transfers of one step run
+concurrently.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
-# How each algorithm communicates per communicating step: the collective,
-# how many model-sized vectors it moves, and extra scalars per message
-# (push-sum's weight travels with the data). Unknown names are modeled as
-# one neighbor exchange of the model (DSGD), the common case.
-ALGORITHM_PATTERNS: dict[str, tuple[str, int, int]] = {
-    "allreduce": ("allreduce", 1, 0),
-    "ddp": ("allreduce", 1, 0),
-    "local_sgd": ("allreduce", 1, 0),
-    "dsgd": ("neighbor", 1, 0),
-    "exact_diffusion": ("neighbor", 1, 0),
-    "gradient_tracking": ("neighbor", 2, 0),
-    "push_sum": ("neighbor", 1, 1),
-    "push_diging": ("neighbor", 2, 1),
-}
-DEFAULT_PATTERN = ("neighbor", 1, 0)
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one communicating step of an algorithm sends (each algorithm class states its own).
+
+    kind: "allreduce" (a global average), "neighbor" (one exchange over the topology's W(t))
+        or "allgather" (every rank's message reaches every rank: compressed payloads that
+        cannot be summed on the way, e.g. error-feedback compressed allreduce).
+    vectors: model-sized vectors per exchange (gradient tracking moves x and y: 2).
+    scalars: extra elements per message (push-sum's weight travels with the data: 1).
+    density: the share of a vector's elements a message carries (top-k, random-k: their ratio).
+    value_bits: bits per carried element (0: the element's own size; QSGD: its bits; sign: 1; bf16: 16).
+    index_bits: bits naming each carried element's position (top-k, random-k: 32).
+    global_every: every this many communicating steps the exchange is an exact average
+        (an allreduce of the uncompressed vectors) instead (Gossip-PGA); 0: never.
+    """
+
+    kind: Literal["allreduce", "neighbor", "allgather"]
+    vectors: int = 1
+    scalars: int = 0
+    density: float = 1.0
+    value_bits: float = 0.0
+    index_bits: int = 0
+    global_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("allreduce", "neighbor", "allgather"):
+            raise ValueError(f"Traffic.kind={self.kind!r}; allowed: allreduce, neighbor, allgather")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"Traffic.density={self.density}; allowed: a number in (0, 1]")
+
+    def message_bytes(self, param_bytes: float, element_bytes: int) -> float:
+        """Bytes of one exchange's message for a model of ``param_bytes``, as compressed."""
+        elements = param_bytes / element_bytes
+        bits = (self.value_bits or 8 * element_bytes) + self.index_bits
+        return self.vectors * elements * self.density * bits / 8 + self.scalars * element_bytes
+
+    def dense_bytes(self, param_bytes: float, element_bytes: int) -> float:
+        """Bytes of the same message uncompressed (what a Gossip-PGA average moves)."""
+        return self.vectors * param_bytes + self.scalars * element_bytes
 
 
 @dataclass(frozen=True)
@@ -89,9 +119,6 @@ class Cluster:
     def machines(self, n: int) -> int:
         return n // self.local_size(n)
 
-    def machine_of(self, rank: int, n: int) -> int:
-        return rank // self.local_size(n)
-
     def contention(self, n: int) -> float:
         """Slow-down of copies and reductions from ranks sharing too few cores."""
         if self.cores <= 0:
@@ -139,6 +166,17 @@ def hierarchical_allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
     across = 2 * (machines - 1) * cluster.inter.time(rings * shard / machines)
     reduce = cluster.reduce_s((local - 1) / local * nbytes + (machines - 1) / machines * shard, n)
     return inside + across + reduce
+
+
+def ring_allgather_s(cluster: Cluster, n: int, nbytes: float) -> float:
+    """Ring allgather of one ``nbytes`` message per rank: n-1 steps, each rank passing one
+    message on (paced by the slower hop, as in the ring allreduce); nothing is reduced."""
+    if n <= 1:
+        return 0.0
+    step = cluster.intra_s(nbytes, n)
+    if cluster.machines(n) > 1:
+        step = max(step, cluster.inter.time(nbytes))
+    return (n - 1) * step
 
 
 def allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
@@ -229,18 +267,28 @@ class StepEstimate:
 
 
 def communication_s(
-    cluster: Cluster, algorithm: str, n: int, param_bytes: float, topology: Any = None, element_bytes: int = 4
+    cluster: Cluster, traffic: Traffic, n: int, param_bytes: float, topology: Any = None, element_bytes: int = 4
 ) -> float:
-    """Communication of one communicating step of ``algorithm``."""
+    """Communication of one communicating step that sends ``traffic`` (an algorithm's ``traffic``).
+
+    With ``global_every`` H, the mean over H communicating steps: H-1 exchanges of
+    the traffic's kind and one allreduce of the uncompressed vectors (Gossip-PGA).
+    """
     if n <= 1:
         return 0.0
-    kind, vectors, scalars = ALGORITHM_PATTERNS.get(algorithm, DEFAULT_PATTERN)
-    nbytes = vectors * param_bytes + scalars * element_bytes
-    if kind == "allreduce":
-        return allreduce_s(cluster, n, nbytes)
-    if topology is None:
-        raise ValueError(f"algorithm={algorithm} exchanges with neighbors; the model needs its topology")
-    return neighbor_exchange_s(cluster, topology, nbytes)
+    nbytes = traffic.message_bytes(param_bytes, element_bytes)
+    if traffic.kind == "allreduce":
+        own = allreduce_s(cluster, n, nbytes)
+    elif traffic.kind == "allgather":
+        own = ring_allgather_s(cluster, n, nbytes)
+    elif topology is None:
+        raise ValueError("neighbor traffic is priced on a topology; none was given")
+    else:
+        own = neighbor_exchange_s(cluster, topology, nbytes)
+    every = traffic.global_every
+    if every <= 1:
+        return allreduce_s(cluster, n, traffic.dense_bytes(param_bytes, element_bytes)) if every == 1 else own
+    return ((every - 1) * own + allreduce_s(cluster, n, traffic.dense_bytes(param_bytes, element_bytes))) / every
 
 
 def step_estimate(

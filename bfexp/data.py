@@ -1,4 +1,11 @@
-"""Datasets and how they are split across ranks.
+"""Datasets: classes that own their options, files, shapes and split across ranks.
+
+A dataset option is a YAML whose ``_target_`` names a subclass of
+``Dataset``; the constructor's keyword parameters (with its bases') are the
+options. Constructing one is cheap: the driver does it before any rank
+starts, to check the options and that the files are there. On every rank,
+``load(rank, size, seed)`` returns that rank's ``RankData``, and
+``sample_shape()`` says (one sample's shape, classes) without training data.
 
 Every rank builds the same global data from the seed and keeps its own
 shard, so no rank needs another's files and every engine sees the same
@@ -8,15 +15,21 @@ numbers. Nothing is downloaded: MNIST and CIFAR-10 load from a local folder.
 from __future__ import annotations
 
 import gzip
+import math
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 import torch
 
-from bfexp.config import DATASET_FILES
+from bfexp.errors import ConfigError, DatasetError
+
+__all__ = ["CIFAR10", "MNIST", "BatchSampler", "Dataset", "Digits", "RankData", "Synthetic", "partition"]
+
+Partition = Literal["iid", "dirichlet", "sorted"]
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 
 
 @dataclass
@@ -31,8 +44,22 @@ class RankData:
     global_train_size: int
 
     @property
+    def in_shape(self) -> tuple[int, ...]:
+        """One sample's shape, what bfexp.models.build_model sizes a model from."""
+        return tuple(self.train_x.shape[1:])
+
+    @property
     def in_features(self) -> int:
         return int(np.prod(self.train_x.shape[1:]))
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ------------------------------------------------------------------ partitioning
@@ -47,7 +74,7 @@ def partition(labels: np.ndarray, size: int, how: str, alpha: float, rng: np.ran
     """
     n = len(labels)
     if size > n:
-        raise ValueError(f"ranks={size} exceeds the {n} training samples; allowed: at most {n}")
+        raise DatasetError(f"ranks={size} exceeds the {n} training samples; allowed: at most {n}")
     if how == "iid":
         return [np.sort(s) for s in np.array_split(rng.permutation(n), size)]
     if how == "sorted":
@@ -65,10 +92,11 @@ def partition(labels: np.ndarray, size: int, how: str, alpha: float, rng: np.ran
                     shards[r].extend(part.tolist())
             if min(len(s) for s in shards) >= minimum:
                 return [np.sort(np.array(s, dtype=np.int64)) for s in shards]
-        raise ValueError(
-            f"dataset.alpha={alpha} leaves some of {size} ranks under {minimum} samples; allowed: a larger alpha or fewer ranks"
+        raise DatasetError(
+            f"dataset.alpha={alpha} leaves some of {size} ranks under {minimum} samples; "
+            "allowed: a larger alpha or fewer ranks"
         )
-    raise ValueError(f"dataset.partition={how!r}; allowed: iid, dirichlet, sorted")
+    raise ValueError(f"partition how={how!r}; expected one of {get_args(Partition)}")
 
 
 def _subsample(x: np.ndarray, y: np.ndarray, limit: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -78,75 +106,190 @@ def _subsample(x: np.ndarray, y: np.ndarray, limit: int, rng: np.random.Generato
     return x, y
 
 
-def _to_rank_data(
-    x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
-    classes: int, cfg: Any, rank: int, size: int, seed: int,
-) -> RankData:
-    rng = np.random.default_rng([seed, 1])
-    shards = partition(y_train, size, cfg.partition, cfg.alpha, rng)
-    x_test, y_test = _subsample(x_test, y_test, cfg.eval_samples, np.random.default_rng([seed, 2]))
-    mine = shards[rank]
-    return RankData(
-        torch.from_numpy(np.ascontiguousarray(x_train[mine], dtype=np.float32)),
-        torch.from_numpy(y_train[mine].astype(np.int64)),
-        torch.from_numpy(np.ascontiguousarray(x_test, dtype=np.float32)),
-        torch.from_numpy(y_test.astype(np.int64)),
-        classes,
-        len(y_train),
-    )
+# ------------------------------------------------------------------ the contract
 
 
-# ------------------------------------------------------------------ datasets
+class Dataset:
+    """Base of every data set, built-in or a user's own.
+
+    A subclass implements ``arrays(seed)``: the whole data set, the same on
+    every rank for one seed. The base splits the training part by rank
+    (``partition``, ``alpha``) and subsamples the held-out part every rank
+    evaluates on (``eval_samples``). A user's own, with no edit to bfexp::
+
+        # mypkg/moons.py
+        from typing import Any, ClassVar
+        from bfexp.data import Dataset
+
+        class Moons(Dataset):
+            name: ClassVar[str] = "moons"     # its label in summaries
+
+            def __init__(self, samples: int = 2000, noise: float = 0.1, **options: Any) -> None:
+                super().__init__(**options)    # partition, alpha, eval_samples
+                self.samples, self.noise = samples, noise
+
+            def arrays(self, seed: int):
+                from sklearn.datasets import make_moons
+                x, y = make_moons(self.samples, noise=self.noise, random_state=seed)
+                cut = len(y) * 4 // 5
+                return x[:cut], y[:cut], x[cut:], y[cut:], 2
+
+        # myconf/dataset/moons.yaml
+        _target_: mypkg.moons.Moons
+        samples: 2000
+        noise: 0.1
+
+        $ bfexp --config-dir myconf dataset=moons dataset.partition=dirichlet
+
+    The constructor must stay cheap (check options, not load data): the driver
+    builds the object before any rank starts. Raise bfexp.errors.ConfigError
+    (or DatasetError) with ``dataset.<key>=<value>; allowed: ...`` for bad input.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, partition: Partition = "iid", alpha: float = 0.5, eval_samples: int = 2000) -> None:
+        _require(partition in get_args(Partition),
+                 f"dataset.partition={partition!r}; allowed: {', '.join(get_args(Partition))}")
+        _require(not isinstance(alpha, bool) and isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0,
+                 f"dataset.alpha={alpha}; allowed: a finite number > 0")
+        _require(_is_int(eval_samples) and eval_samples >= 0,
+                 f"dataset.eval_samples={eval_samples}; allowed: an integer >= 0 (0 = all)")
+        # How the training set is split by rank; held-out samples every rank evaluates on.
+        self.partition, self.alpha, self.eval_samples = partition, alpha, eval_samples
+
+    def arrays(self, seed: int) -> Arrays:
+        """(x_train, y_train, x_test, y_test, classes) as numpy arrays: samples along axis 0, integer labels."""
+        raise NotImplementedError(f"{type(self).__name__} must implement arrays(seed) or override load()")
+
+    def load(self, rank: int, size: int, seed: int) -> RankData:
+        """Rank `rank`'s shard of `size` and the held-out set; the same numbers on every engine for one seed."""
+        x_train, y_train, x_test, y_test, classes = self.arrays(seed)
+        shards = partition(y_train, size, self.partition, self.alpha, np.random.default_rng([seed, 1]))
+        x_test, y_test = _subsample(x_test, y_test, self.eval_samples, np.random.default_rng([seed, 2]))
+        mine = shards[rank]
+        return RankData(
+            torch.from_numpy(np.ascontiguousarray(x_train[mine], dtype=np.float32)),
+            torch.from_numpy(y_train[mine].astype(np.int64)),
+            torch.from_numpy(np.ascontiguousarray(x_test, dtype=np.float32)),
+            torch.from_numpy(y_test.astype(np.int64)),
+            int(classes),
+            len(y_train),
+        )
+
+    def sample_shape(self) -> tuple[tuple[int, ...], int]:
+        """(one sample's shape, classes), to size a model. This default loads the arrays once;
+        a data set that knows its shape says it without loading."""
+        x_train, _, _, _, classes = self.arrays(0)
+        return tuple(int(d) for d in x_train.shape[1:]), int(classes)
 
 
-def synthetic(cfg: Any, rank: int, size: int, seed: int) -> RankData:
+# ------------------------------------------------------------------ built-in data sets
+
+
+class Synthetic(Dataset):
     """Logistic regression data where rank r's labels come from its own model
     W_r = W_0 + heterogeneity * E_r and its inputs from its own mean shift, so
     the ranks' local optima differ (non-iid). The test set mixes all ranks'
-    distributions equally: the global objective's distribution."""
-    rng = np.random.default_rng([seed, 0])
-    d, c = cfg.features, cfg.classes
-    shared = rng.normal(size=(d, c))
-    scale = 1.0 / np.sqrt(d)
+    distributions equally: the global objective's distribution. Each rank
+    draws its own shard, so `partition` and `alpha` do not apply;
+    eval_samples=0 means 2000."""
 
-    def draw(r: int, count: int, stream: int) -> tuple[np.ndarray, np.ndarray]:
-        own = np.random.default_rng([seed, 100 + r])
-        w_r = shared + cfg.heterogeneity * own.normal(size=(d, c))
-        shift = cfg.heterogeneity * own.normal(size=d) * 0.5
-        g = np.random.default_rng([seed, 1000 + r, stream])
-        x = g.normal(size=(count, d)) + shift
-        logits = (x @ w_r) * scale * 4.0
-        y = np.argmax(logits + g.gumbel(size=logits.shape), axis=1)
-        flip = g.random(count) < cfg.label_noise
-        y[flip] = g.integers(0, c, size=int(flip.sum()))
-        return x.astype(np.float32), y
+    name: ClassVar[str] = "synthetic"
 
-    x_train, y_train = draw(rank, cfg.samples_per_rank, 0)
-    per_rank_test = max(1, (cfg.eval_samples or 2000) // size)
-    tests = [draw(r, per_rank_test, 1) for r in range(size)]
-    x_test = np.concatenate([t[0] for t in tests])
-    y_test = np.concatenate([t[1] for t in tests])
-    return RankData(
-        torch.from_numpy(x_train),
-        torch.from_numpy(y_train.astype(np.int64)),
-        torch.from_numpy(x_test),
-        torch.from_numpy(y_test.astype(np.int64)),
-        c,
-        cfg.samples_per_rank * size,
-    )
+    def __init__(self, samples_per_rank: int = 512, features: int = 32, classes: int = 2,
+                 heterogeneity: float = 0.5, label_noise: float = 0.05, **options: Any) -> None:
+        super().__init__(**options)
+        _require(_is_int(samples_per_rank) and samples_per_rank >= 1,
+                 f"dataset.samples_per_rank={samples_per_rank}; allowed: an integer >= 1")
+        _require(_is_int(features) and features >= 1, f"dataset.features={features}; allowed: an integer >= 1")
+        _require(_is_int(classes) and classes >= 2, f"dataset.classes={classes}; allowed: an integer >= 2")
+        _require(math.isfinite(heterogeneity) and heterogeneity >= 0,
+                 f"dataset.heterogeneity={heterogeneity}; allowed: a finite number >= 0 (0 = iid)")
+        _require(0 <= label_noise <= 1, f"dataset.label_noise={label_noise}; allowed: a number in [0, 1]")
+        self.samples_per_rank, self.features, self.classes = samples_per_rank, features, classes
+        self.heterogeneity, self.label_noise = heterogeneity, label_noise
+
+    def load(self, rank: int, size: int, seed: int) -> RankData:
+        rng = np.random.default_rng([seed, 0])
+        d, c = self.features, self.classes
+        shared = rng.normal(size=(d, c))
+        scale = 1.0 / np.sqrt(d)
+
+        def draw(r: int, count: int, stream: int) -> tuple[np.ndarray, np.ndarray]:
+            own = np.random.default_rng([seed, 100 + r])
+            w_r = shared + self.heterogeneity * own.normal(size=(d, c))
+            shift = self.heterogeneity * own.normal(size=d) * 0.5
+            g = np.random.default_rng([seed, 1000 + r, stream])
+            x = g.normal(size=(count, d)) + shift
+            logits = (x @ w_r) * scale * 4.0
+            y = np.argmax(logits + g.gumbel(size=logits.shape), axis=1)
+            flip = g.random(count) < self.label_noise
+            y[flip] = g.integers(0, c, size=int(flip.sum()))
+            return x.astype(np.float32), y
+
+        x_train, y_train = draw(rank, self.samples_per_rank, 0)
+        per_rank_test = max(1, (self.eval_samples or 2000) // size)
+        tests = [draw(r, per_rank_test, 1) for r in range(size)]
+        x_test = np.concatenate([t[0] for t in tests])
+        y_test = np.concatenate([t[1] for t in tests])
+        return RankData(
+            torch.from_numpy(x_train),
+            torch.from_numpy(y_train.astype(np.int64)),
+            torch.from_numpy(x_test),
+            torch.from_numpy(y_test.astype(np.int64)),
+            c,
+            self.samples_per_rank * size,
+        )
+
+    def sample_shape(self) -> tuple[tuple[int, ...], int]:
+        return (self.features,), self.classes
 
 
-def digits(cfg: Any, rank: int, size: int, seed: int) -> RankData:
-    """scikit-learn's bundled 8x8 digits, pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
+class Digits(Dataset):
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1]."""
 
-    bunch = load_digits()
-    x = (bunch.data / 16.0).astype(np.float32)
-    y = bunch.target.astype(np.int64)
-    order = np.random.default_rng([seed, 3]).permutation(len(y))
-    n_test = int(round(cfg.test_fraction * len(y)))
-    test, train = order[:n_test], order[n_test:]
-    return _to_rank_data(x[train], y[train], x[test], y[test], 10, cfg, rank, size, seed)
+    name: ClassVar[str] = "digits"
+
+    def __init__(self, test_fraction: float = 0.2, partition: Partition = "dirichlet", **options: Any) -> None:
+        super().__init__(partition=partition, **options)
+        _require(0 < test_fraction < 1, f"dataset.test_fraction={test_fraction}; allowed: a number in (0, 1)")
+        self.test_fraction = test_fraction
+
+    def arrays(self, seed: int) -> Arrays:
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        x = (bunch.data / 16.0).astype(np.float32)
+        y = bunch.target.astype(np.int64)
+        order = np.random.default_rng([seed, 3]).permutation(len(y))
+        n_test = int(round(self.test_fraction * len(y)))
+        test, train = order[:n_test], order[n_test:]
+        return x[train], y[train], x[test], y[test], 10
+
+    def sample_shape(self) -> tuple[tuple[int, ...], int]:
+        return (64,), 10
+
+
+class _Folder(Dataset):
+    """A data set read from `files` in a local folder; the constructor checks they are all there."""
+
+    files: ClassVar[tuple[str, ...]]
+    suffixes: ClassVar[tuple[str, ...]] = ("",)  # each file may be stored under any of these endings
+    layout: ClassVar[str]  # what the folder holds, for the error message
+
+    def __init__(self, root: str, **options: Any) -> None:
+        super().__init__(**options)
+        self.root = Path(root).expanduser()
+        missing = [name for name in self.files if not self._path(name).exists()]
+        if missing:
+            raise DatasetError(f"dataset.root={root!r} lacks {', '.join(missing)}; "
+                               f"allowed: a folder holding {self.layout} (nothing is downloaded)")
+
+    def _path(self, name: str) -> Path:
+        """Where file `name` is stored: the first ending present, else its plain name."""
+        candidates = [self.root / f"{name}{s}" for s in self.suffixes]
+        return next((p for p in candidates if p.exists()), candidates[0])
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -158,53 +301,57 @@ def _read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
-def _find(root: Path, stem: str) -> Path:
-    for candidate in (root / stem, root / f"{stem}.gz"):
-        if candidate.exists():
-            return candidate
-    raise FileNotFoundError(f"dataset.root={str(root)!r} has no {stem}[.gz]; place the MNIST idx files there")
+class MNIST(_Folder):
+    """MNIST from the four idx files (as distributed by LeCun et al.; optionally .gz) in `root`."""
+
+    name: ClassVar[str] = "mnist"
+    files = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    suffixes = ("", ".gz")
+    layout = "MNIST's four idx files, optionally .gz"
+
+    def __init__(self, root: str = "data/mnist", **options: Any) -> None:
+        super().__init__(root, **options)
+
+    def arrays(self, seed: int) -> Arrays:
+        x_tr, y_tr, x_te, y_te = (_read_idx(self._path(name)) for name in self.files)
+        x_tr, x_te = x_tr.astype(np.float32) / 255.0, x_te.astype(np.float32) / 255.0
+        return x_tr[:, None], y_tr.astype(np.int64), x_te[:, None], y_te.astype(np.int64), 10
+
+    def sample_shape(self) -> tuple[tuple[int, ...], int]:
+        return (1, 28, 28), 10
 
 
-def mnist(cfg: Any, rank: int, size: int, seed: int) -> RankData:
-    """MNIST from the four idx files (as distributed by LeCun et al.) in `root`."""
-    root = Path(cfg.root).expanduser()
-    x_tr, y_tr, x_te, y_te = (_read_idx(_find(root, name)) for name in DATASET_FILES["mnist"])
-    x_tr, x_te = x_tr.astype(np.float32) / 255.0, x_te.astype(np.float32) / 255.0
-    y_tr, y_te = y_tr.astype(np.int64), y_te.astype(np.int64)
-    return _to_rank_data(x_tr[:, None], y_tr, x_te[:, None], y_te, 10, cfg, rank, size, seed)
+class CIFAR10(_Folder):
+    """CIFAR-10 from the python pickle batches (cifar-10-batches-py) in `root`, normalized per channel."""
 
+    name: ClassVar[str] = "cifar10"
+    files = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
+    layout = "cifar-10-batches-py's data_batch_1..5 and test_batch"
+    mean = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32)[None, :, None, None]
+    std = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32)[None, :, None, None]
 
-def cifar10(cfg: Any, rank: int, size: int, seed: int) -> RankData:
-    """CIFAR-10 from the python pickle batches (cifar-10-batches-py) in `root`."""
-    root = Path(cfg.root).expanduser()
+    def __init__(self, root: str = "data/cifar-10-batches-py", **options: Any) -> None:
+        super().__init__(root, **options)
 
-    def load(name: str) -> tuple[np.ndarray, np.ndarray]:
-        path = root / name
-        if not path.exists():
-            raise FileNotFoundError(f"dataset.root={str(root)!r} has no {name}; place cifar-10-batches-py there")
-        with open(path, "rb") as f:
+    def _batch(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        with open(self._path(name), "rb") as f:
             batch = pickle.load(f, encoding="bytes")
         return batch[b"data"].reshape(-1, 3, 32, 32), np.array(batch[b"labels"], dtype=np.int64)
 
-    *train_names, test_name = DATASET_FILES["cifar10"]
-    parts = [load(name) for name in train_names]
-    x_tr = np.concatenate([p[0] for p in parts]).astype(np.float32) / 255.0
-    y_tr = np.concatenate([p[1] for p in parts])
-    x_te, y_te = load(test_name)
-    mean = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32)[None, :, None, None]
-    std = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32)[None, :, None, None]
-    return _to_rank_data((x_tr - mean) / std, y_tr, (x_te.astype(np.float32) / 255.0 - mean) / std, y_te, 10, cfg, rank, size, seed)
+    def arrays(self, seed: int) -> Arrays:
+        *train_names, test_name = self.files
+        parts = [self._batch(name) for name in train_names]
+        x_tr = np.concatenate([p[0] for p in parts]).astype(np.float32) / 255.0
+        y_tr = np.concatenate([p[1] for p in parts])
+        x_te, y_te = self._batch(test_name)
+        x_te = x_te.astype(np.float32) / 255.0
+        return (x_tr - self.mean) / self.std, y_tr, (x_te - self.mean) / self.std, y_te, 10
+
+    def sample_shape(self) -> tuple[tuple[int, ...], int]:
+        return (3, 32, 32), 10
 
 
-DATASETS = {"synthetic": synthetic, "digits": digits, "mnist": mnist, "cifar10": cifar10}
-
-
-def load_rank_data(cfg: Any, rank: int, size: int, seed: int) -> RankData:
-    try:
-        loader = DATASETS[cfg.name]
-    except KeyError:
-        raise ValueError(f"dataset={cfg.name!r}; allowed: {', '.join(DATASETS)}") from None
-    return loader(cfg, rank, size, seed)
+# ------------------------------------------------------------------ batches
 
 
 class BatchSampler:
@@ -233,3 +380,12 @@ class BatchSampler:
 
     def epoch_progress(self) -> float:
         return self.epoch + self._pos / max(1, len(self._order))
+
+    def state_dict(self) -> dict:
+        """Where the sampler is (generator, epoch, order, position): a checkpoint resumes the same batches."""
+        return {"generator": self.generator.get_state(), "epoch": self.epoch, "order": self._order.clone(),
+                "position": self._pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.epoch, self._order, self._pos = int(state["epoch"]), state["order"].clone(), int(state["position"])

@@ -7,24 +7,43 @@ directory, starts `mpiexec -n R python -m mpi4py -m bfexp.worker RUN_DIR`
 metrics stream for progress, and decides the job's status. Ranks record
 their own failure in RUN_DIR/errors/rank<N>.json before they die, so the
 driver can name the rank and the exception.
+
+Nothing lost, nothing hangs, nothing leaks:
+
+* a stop signal (Signals: SIGINT, SIGTERM, SIGUSR1) asks the ranks to stop
+  at their next logging step and write a checkpoint (bfexp.checkpoint); the
+  job ends ``interrupted``, resumable; a second signal ends it at once;
+* the hang watchdog (bfexp.watchdog) ends a job whose ranks wait in a
+  communication call for ``timeout_s``, after they dump their stacks;
+* ranks are ended through mpiexec's session, which holds every rank also
+  while mpiexec is still starting them (Open MPI gives each rank a process
+  group of its own), and a rank whose driver is gone ends itself;
+* the driver holds a little disk in the run folder while ranks run, so a
+  full disk still leaves room for summary.json, which always says why;
+* before any rank starts, more ranks than this machine's memory holds are
+  refused (``check_memory``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
-from bfexp import results
+from bfexp import checkpoint, results, watchdog
+from bfexp.errors import LaunchError
+from bfexp.watchdog import Watchdog, dump_thread_stacks, live_heartbeats, read_heartbeats, signal_stack_dumps
 
 # Environment that marks a process as part of an MPI job; a child mpiexec
 # that inherits it believes it is nested and fails.
@@ -33,6 +52,21 @@ INHERITED_MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "MPI_LOCA
 FAILURE_GRACE_S = 5.0
 # How long ranks get to exit after SIGTERM before SIGKILL.
 TERMINATE_GRACE_S = 3.0
+# How long hung ranks get to write their stacks into their logs before they are ended.
+DUMP_WAIT_S = 1.0
+# What the driver answers (Signals): Ctrl-C, kill, and Slurm's warning before a time limit.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# Disk held in the run folder while ranks run, given back to write the summary when the disk fills up.
+RESERVE = ".space_reserve"
+RESERVE_BYTES = 64 * 1024
+# Memory one rank needs besides its model: a process with torch and mpi4py imported (about 230 MB
+# resident here), or a virtual rank's thread, engine and data shard (the default experiment's 128
+# virtual ranks take about 0.4 GB in all, the process alone 0.25); each rounded up. A rank holds
+# its model about MODEL_COPIES times: parameters, gradients, the local optimizer's and the
+# algorithm's buffers.
+PROCESS_RANK_BYTES = 250 * 2**20
+THREAD_RANK_BYTES = 2 * 2**20
+MODEL_COPIES = 4
 
 
 @dataclass
@@ -41,10 +75,6 @@ class JobResult:
     run_dir: Path
     summary: dict = field(default_factory=dict)
     returncode: int | None = None
-
-
-class LaunchError(RuntimeError):
-    """The job cannot be started here (e.g. no mpiexec); reported as bad input."""
 
 
 def find_mpiexec() -> str:
@@ -75,20 +105,36 @@ def rank_environment(ranks: int) -> dict[str, str]:
     return env
 
 
-def mpiexec_command(cfg: Any, run_dir: Path) -> list[str]:
-    return [
-        find_mpiexec(),
-        "--oversubscribe",
-        "-n",
-        str(cfg.ranks),
-        *[str(a) for a in cfg.engine.get("mpiexec_args", [])],
-        sys.executable,
-        "-m",
-        "mpi4py",
-        "-m",
-        "bfexp.worker",
-        str(run_dir),
-    ]
+def worker_command(run_dir: Path) -> list[str]:
+    """What every rank runs (mpi4py's runner aborts every rank when one raises)."""
+    return [sys.executable, "-m", "mpi4py", "-m", "bfexp.worker", str(run_dir)]
+
+
+def launcher_of(cfg: Any) -> Any:
+    """The job's launcher settings (a config from before the launcher group ran locally)."""
+    return cfg.get("launcher") or OmegaConf.create({"name": "local"})
+
+
+def rank_command(cfg: Any, run_dir: Path) -> list[str]:
+    """The command that starts the job's ranks, per launcher (README "Running on a cluster").
+
+    local: ``mpiexec --oversubscribe -n R``; mpirun: ``mpiexec -n R --host ...|--hostfile ...``
+    plus the interface's settings; srun: ``srun --mpi=pmix --ntasks=R`` (Slurm's PMIx plugin
+    wires up mpi4py's Open MPI; nodes and tasks per node from launcher.ranks_per_node).
+    """
+    launcher = launcher_of(cfg)
+    engine_args = [str(a) for a in cfg.engine.get("mpiexec_args", [])]
+    extra = [str(a) for a in launcher.get("extra_args", [])]
+    if launcher.name == "srun":
+        return [find_srun(), "--mpi=pmix", f"--ntasks={cfg.ranks}", *srun_layout(cfg), "--kill-on-bad-exit=1",
+                *extra, *worker_command(run_dir)]
+    if launcher.name == "mpirun":
+        placement = ["--host", launcher.hosts] if launcher.hosts else ["--hostfile", str(launcher.hostfile)]
+        # Fill each host's slots in order, threads free to move (horovodrun's defaults too).
+        return [find_mpiexec(), "-n", str(cfg.ranks), *placement, "--map-by", "slot", "--bind-to", "none",
+                *interface_args(launcher.network_interface),
+                *engine_args, *extra, *worker_command(run_dir)]
+    return [find_mpiexec(), "--oversubscribe", "-n", str(cfg.ranks), *engine_args, *worker_command(run_dir)]
 
 
 def write_job_config(cfg: Any, run_dir: Path) -> None:
@@ -132,23 +178,10 @@ def exception_in_logs(run_dir: Path) -> str | None:
     return None
 
 
-def job_identity(cfg: Any) -> dict:
-    """The fields every summary carries, also when no rank got far enough to write one."""
-    return {
-        "algorithm": cfg.algorithm.name,
-        "topology": cfg.topology.name,
-        "ranks": cfg.ranks,
-        "engine": cfg.engine.name,
-        "seed": cfg.seed,
-        "model": cfg.model.name,
-        "dataset": cfg.dataset.name,
-        "batch_size": cfg.batch_size,
-        "lr": cfg.lr,
-    }
+def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = None, status: str = "failed") -> dict:
+    """A summary for a job that did not finish (failed or interrupted), keeping what rank 0 had logged."""
+    from bfexp.worker import job_identity
 
-
-def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = None) -> dict:
-    """A summary for a job that did not finish, keeping what rank 0 had logged."""
     summary = results.read_json(run_dir / results.SUMMARY) or job_identity(cfg)
     records = results.read_jsonl(run_dir / results.METRICS)
     if records:
@@ -158,70 +191,228 @@ def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = Non
         summary.setdefault("consensus_distance", last.get("consensus_distance"))
         summary["steps"] = last.get("step")
     summary.update(extra or {})
-    summary["status"] = "failed"
+    summary["status"] = status
     summary["error"] = error
     results.write_json_atomic(run_dir / results.SUMMARY, summary)
     return summary
 
 
-class _Stop:
-    """Turns SIGINT/SIGTERM into a flag the watch loop acts on."""
+class Interrupted(BaseException):
+    """The driver got a stop signal outside a running job (composing, checking, writing results),
+    or a job ended because of one: the driver ends with exit status 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+class Signals:
+    """SIGINT, SIGTERM and SIGUSR1 to the driver: Ctrl-C, `kill`, and what Slurm sends before a time limit.
+
+    During a job the first one asks its ranks to stop at their next logging
+    step and write a checkpoint there (before training started: end them at
+    once); a second one ends them at once. Outside a job a signal raises
+    Interrupted where the driver is. ``install`` (the CLI, for its whole
+    run) or a ``job()`` block (a library caller) puts the handlers in place.
+    """
 
     def __init__(self) -> None:
-        self.signal: int | None = None
+        self.received: list[int] = []
+        self._depth = 0  # job() blocks under way (they nest: launch, then the engine's watch loop)
+        self.job_start = 0  # signals received before the job began (each acted on then)
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> "_Stop":
-        for sig in (signal.SIGINT, signal.SIGTERM):
+    @property
+    def in_job(self) -> bool:
+        return self._depth > 0
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
             try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
+                self._old.setdefault(sig, signal.signal(sig, self._handle))
+            except ValueError:  # not the main thread: the caller handles signals
                 pass
-        return self
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signal = signum
-
-    def __exit__(self, *exc: object) -> None:
+    def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if not self.in_job:
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def job(self) -> Iterator["Signals"]:
+        """While ranks run: signals are flags the watch loop acts on."""
+        installed = bool(self._old)
+        if not installed:
+            self.install()
+        if not self._depth:
+            self.job_start = len(self.received)
+        self._depth += 1
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            if not installed:
+                self.restore()
+
+
+SIGNALS = Signals()
+
+
+class Ending:
+    """Why the driver ends a job now (None while it may go on), and the status that gives it."""
+
+    def __init__(self, cfg: Any, run_dir: Path, watch: Watchdog, signals: Signals) -> None:
+        self.cfg, self.run_dir, self.watch, self.signals = cfg, run_dir, watch, signals
+        self.handled = signals.job_start
+        self.status = "failed"
+        self.stuck: list[dict] | None = None
+
+    def signal_reason(self) -> str | None:
+        """A new stop signal: the first asks for a stop at a step boundary, a second ends at once."""
+        received = self.signals.received
+        if len(received) == self.handled:
+            return None
+        first = len(received) - self.signals.job_start == 1
+        self.handled = len(received)
+        name = signal.Signals(received[-1]).name
+        self.status = "interrupted"
+        if not first:
+            return f"interrupted by {name} (a second signal: ended at once)"
+        if not self.watch.training_started() and not (self.run_dir / results.METRICS).exists():
+            return f"interrupted by {name} before training started"
+        checkpoint.request_stop(self.run_dir, f"{name} to the driver")
+        print(f"bfexp: {name}: the ranks stop at their next logging step (log_every={self.cfg.log_every}) and write "
+              "a checkpoint; send the signal again to end them at once", file=sys.stderr, flush=True)
+        return None
+
+    def hang_reason(self, waits: Callable[[], dict] | None = None) -> str | None:
+        """The watchdog's verdict: the stuck ranks (``waits``: who waits for whom, virtual ranks)."""
+        stuck = self.watch.check()
+        if not stuck:
+            return None
+        self.status, self.stuck = "failed", stuck
+        return self.watch.describe(stuck, waits() if waits else None)
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live processes of a session (mpiexec's: it leads its own, and its ranks stay in it)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
 
 
 def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM the whole process group (mpiexec and its ranks), then SIGKILL."""
+    """End mpiexec and every rank it started, also while it is still starting them.
+
+    Open MPI gives each rank a process group of its own, so a group signal
+    misses them; they stay in mpiexec's session, which outlives mpiexec. So:
+    SIGTERM to the session, then SIGKILL to what is left.
+    """
     for sig, grace in ((signal.SIGTERM, TERMINATE_GRACE_S), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        pids = session_processes(proc.pid)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            proc.poll()  # reap mpiexec: a zombie is not a live process
+            if not session_processes(proc.pid):
+                break
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def reserve_space(run_dir: Path) -> None:
+    """Hold a little disk in the run folder, so a full disk still leaves room for the summary."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / RESERVE, "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        (Path(run_dir) / RESERVE).unlink(missing_ok=True)
+
+
+def release_space(run_dir: Path) -> None:
+    (Path(run_dir) / RESERVE).unlink(missing_ok=True)
+
+
+def disk_full(run_dir: Path) -> str | None:
+    """A sentence when the run folder's disk has (almost) no room left."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free > RESERVE_BYTES:
+        return None
+    return f"no space left on the run folder's disk ({free} bytes free in {run_dir})"
+
+
+_KILLED = re.compile(r"process\s+rank\s+(\d+)\s+with\s+PID\s+(\d+)\s+on\s+node\s+(\S+)\s+exited\s+on\s+signal\s+(\d+)")
+
+
+def killed_rank(run_dir: Path) -> str | None:
+    """mpiexec's word on a rank that died by a signal (e.g. SIGKILL by the OOM killer)."""
+    try:
+        text = (Path(run_dir) / results.LOGS_DIR / "mpiexec.log").read_text(errors="replace")
+    except OSError:
+        return None
+    m = _KILLED.search(text)
+    if not m:
+        return None
+    rank, pid, node, sig = m.groups()
+    try:
+        name = signal.Signals(int(sig)).name
+    except ValueError:
+        name = f"signal {sig}"
+    return f"rank {rank} (pid {pid} on {node}) was killed by {name}"
 
 
 def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
-    """Run one job on MPI ranks and watch it to the end; never hangs on a dead rank."""
+    """Run one job on MPI ranks and watch it to the end: never hangs (the watchdog), never leaves a rank behind."""
     run_dir = Path(run_dir)
     (run_dir / results.LOGS_DIR).mkdir(parents=True, exist_ok=True)
     write_job_config(cfg, run_dir)
-    command = mpiexec_command(cfg, run_dir)
+    command = rank_command(cfg, run_dir)
+    env = launcher_environment(cfg, rank_environment(cfg.ranks))
+    env.update({watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()})
     tail = results.JsonlTail(run_dir / results.METRICS)
+    watch = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
     started = time.monotonic()
     failure_seen_at: float | None = None
     reason: str | None = None
-    with open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb") as log, _Stop() as stop:
+    with open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb") as log, SIGNALS.job() as signals:
+        ending = Ending(cfg, run_dir, watch, signals)
         proc = subprocess.Popen(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=rank_environment(cfg.ranks),
+            env=env,
             cwd=os.getcwd(),
-            start_new_session=True,  # one process group to signal
+            start_new_session=True,  # one session holds mpiexec and every rank it starts
         )
         try:
             while proc.poll() is None:
@@ -229,11 +420,11 @@ def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None
                 for record in tail.read_new():
                     if on_record:
                         on_record(record)
-                if stop.signal is not None:
-                    reason = f"interrupted by {signal.Signals(stop.signal).name}"
-                    break
-                if cfg.timeout_s and time.monotonic() - started > cfg.timeout_s:
-                    reason = f"timed out after timeout_s={cfg.timeout_s:g} s"
+                reason = ending.signal_reason() or ending.hang_reason()
+                if ending.stuck:
+                    signal_stack_dumps(watch.latest)
+                    time.sleep(DUMP_WAIT_S)
+                if reason:
                     break
                 if failure_seen_at is None and (run_dir / results.ERRORS_DIR).exists():
                     failure_seen_at = time.monotonic()
@@ -244,7 +435,8 @@ def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None
     for record in tail.read_new():
         if on_record:
             on_record(record)
-    return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started)
+    return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=ending.status,
+                  stuck=ending.stuck)
 
 
 def intra_op_threads(ranks: int) -> int:
@@ -256,13 +448,14 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     """Run one job as virtual ranks: threads of this process, each running the worker's `train`.
 
     Same files and same status rules as MPI: rank 0 writes metrics.jsonl (followed
-    here), a raising rank records errors/rank<N>.json and aborts the others, and
-    SIGINT/SIGTERM or timeout_s abort every rank thread at its next engine call.
+    here), a raising rank records errors/rank<N>.json and aborts the others; stop
+    signals, the hang watchdog and failures abort every rank thread at its next
+    engine call (ranks blocked in the engine wake at once).
     """
     import torch
 
     from bfexp.comm.threads import RankAborted, ThreadWorld, routed_output
-    from bfexp.worker import record_failure, train
+    from bfexp.worker import record_failure, run
 
     run_dir = Path(run_dir)
     (run_dir / results.LOGS_DIR).mkdir(parents=True, exist_ok=True)
@@ -270,14 +463,18 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     tail = results.JsonlTail(run_dir / results.METRICS)
     timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
     world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir)
+    watch = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: live_heartbeats(run_dir), processes=False)
 
     def rank_main(engine: Any) -> dict:
         # Every rank reads the config the driver wrote, exactly as an MPI rank does.
-        return train(OmegaConf.load(run_dir / results.CONFIG), engine, run_dir)
+        return run(OmegaConf.load(run_dir / results.CONFIG), engine, run_dir)
 
     def on_error(rank: int, exc: BaseException) -> None:
         if not isinstance(exc, RankAborted):  # the others only follow the failed rank down
-            record_failure(run_dir, rank, exc)
+            try:
+                record_failure(run_dir, rank, exc)
+            except OSError:  # a full disk: the driver names the failure from world.errors
+                pass
 
     def follow() -> None:
         for record in tail.read_new():
@@ -290,15 +487,15 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(intra_op_threads(cfg.ranks))  # process-wide: set once, here
     try:
-        with _Stop() as stop, routed_output(run_dir / results.LOGS_DIR):
+        with SIGNALS.job() as signals, routed_output(run_dir / results.LOGS_DIR):
+            ending = Ending(cfg, run_dir, watch, signals)
             world.start(rank_main, on_error)
             while not world.join(0.1):
                 follow()
-                if stop.signal is not None:
-                    reason = f"interrupted by {signal.Signals(stop.signal).name}"
-                elif cfg.timeout_s and time.monotonic() - started > cfg.timeout_s:
-                    reason = f"timed out after timeout_s={cfg.timeout_s:g} s"
-                elif world.failed:
+                reason = ending.signal_reason() or ending.hang_reason(world.waits)
+                if ending.stuck:
+                    dump_thread_stacks(run_dir, watch.latest)
+                if not reason and world.failed:
                     failure_seen_at = failure_seen_at or time.monotonic()
                     if time.monotonic() - failure_seen_at > FAILURE_GRACE_S:
                         break  # some rank is stuck outside the engine; report without it
@@ -306,6 +503,8 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
                     world.abort(RankAborted(reason))
                     world.join(TERMINATE_GRACE_S)
                     break
+    except OSError:  # the rank logs could not be flushed (a full disk): the job's outcome stands
+        pass
     finally:
         torch.set_num_threads(saved_threads)
     follow()
@@ -313,36 +512,314 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     if stuck and reason is None and not world.errors:
         reason = f"rank threads {stuck[:8]} did not finish"
     returncode = 1 if world.errors or stuck else 0
-    return finish(cfg, run_dir, returncode, reason, time.monotonic() - started)
+    own = {r: e for r, e in sorted(world.errors.items()) if not isinstance(e, RankAborted)}
+    fallback = next((f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                     for r, e in own.items()), None)
+    return finish(cfg, run_dir, returncode, reason, time.monotonic() - started, status=ending.status,
+                  stuck=ending.stuck, fallback=fallback)
 
 
-def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, wall_s: float) -> JobResult:
-    """Decide the job's status from what the ranks left behind."""
+def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, wall_s: float,
+           status: str = "failed", stuck: list[dict] | None = None, fallback: str | None = None) -> JobResult:
+    """Decide the job's status from what the ranks left behind, and make sure summary.json says it.
+
+    ``reason``: why the driver ended the job (a signal, a hang), with the
+    ``status`` that gives; ``fallback``: the failure the driver saw itself
+    (virtual ranks) for when no rank could record one.
+    """
+    full = disk_full(run_dir)  # before the reserve is given back
+    release_space(run_dir)
     errors = rank_errors(run_dir)
     summary = results.read_json(run_dir / results.SUMMARY)
-    if reason is None and not errors and summary and summary.get("status") in ("completed", "diverged") and returncode == 0:
-        return JobResult(summary["status"], run_dir, summary, returncode)
+    ended = summary.get("status") if summary else None
+    if reason is None and not errors and ended in ("completed", "diverged", "interrupted") and returncode == 0:
+        if ended != "interrupted":  # the watchdog's records served; a stopped job keeps them for a look
+            shutil.rmtree(run_dir / watchdog.HEARTBEAT_DIR, ignore_errors=True)
+        return JobResult(ended, run_dir, summary, returncode)
     if errors:
-        error = describe_errors(errors)
+        error, status = describe_errors(errors), "failed"
     elif reason:
         error = reason
+    elif fallback:
+        error, status = fallback, "failed"
     else:
+        status = "failed"
         error = f"ranks exited with code {returncode} before finishing"
-        found = exception_in_logs(run_dir)
+        found = killed_rank(run_dir) or exception_in_logs(run_dir)
         if found:
             error += f": {found}"
-    summary = failed_summary(cfg, run_dir, error, {"wall_time_s": wall_s})
-    return JobResult("failed", run_dir, summary, returncode)
+    if full and full not in error:
+        error += f"; {full}"
+    extra: dict[str, Any] = {"wall_time_s": wall_s}
+    if stuck:
+        keys = ("rank", "step", "op", "where", "why", "stalled_s")
+        extra["stuck_ranks"] = [{k: s.get(k) for k in keys} for s in stuck]
+    manifest = checkpoint.latest(run_dir)
+    if manifest:
+        extra["checkpoint_step"] = manifest["step"]
+    summary = failed_summary(cfg, run_dir, error, extra, status=status)
+    return JobResult(status, run_dir, summary, returncode)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new processes here (Linux's MemAvailable), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
+def check_memory(cfg: Any, parameters: int, element_bytes: int) -> None:
+    """Refuse (LaunchError: one line, exit 2) more ranks on this machine than its memory holds.
+
+    One rank's footprint: PROCESS_RANK_BYTES for a process rank (THREAD_RANK_BYTES
+    for a virtual one) plus MODEL_COPIES copies of the model in host memory
+    (a GPU rank keeps its model on the GPU). Compared with MemAvailable.
+    """
+    from bfexp.comm import engine_class
+
+    engine = engine_class(cfg.engine.name)
+    ranks = int(cfg.ranks)
+    here = ranks if not engine.processes or launcher_of(cfg).name == "local" else ranks_per_host(cfg)
+    model = 0 if engine.device_type == "cuda" else MODEL_COPIES * parameters * element_bytes
+    per_rank = (PROCESS_RANK_BYTES if engine.processes else THREAD_RANK_BYTES) + model
+    available = available_memory()
+    if available is None or here * per_rank <= available:
+        return
+    kind = "processes" if engine.processes else "virtual ranks"
+    fit = available // per_rank
+    allowed = f"ranks <= {fit}" if fit else "a smaller model"
+    if engine.processes:
+        allowed += ", or engine=threads (virtual ranks share one process)"
+    raise LaunchError(f"ranks={ranks} with engine={cfg.engine.name} needs about {_size(here * per_rank)} of memory "
+                      f"({here} {kind} of about {_size(per_rank)} here) but {_size(available)} is available; "
+                      f"allowed: {allowed}")
 
 
 def check_engine(cfg: Any) -> None:
-    """Refuse, before any rank starts, an engine this machine cannot run (LaunchError: exit 2)."""
-    if cfg.engine.name == "nccl":
-        from bfexp.comm.nccl import nccl_available
+    """Refuse, before any rank starts, an engine this machine cannot run, or ranks the launcher
+    cannot place (LaunchError: exit 2). A GPU engine needs a GPU per rank of a machine."""
+    from bfexp.comm import engine_class
 
-        ok, reason = nccl_available(cfg.ranks, cfg.engine.ranks_per_machine or None)
-        if not ok:
-            raise LaunchError(f"engine=nccl cannot run here: {reason}")
+    engine = engine_class(cfg.engine.name)
+    if engine.processes and launcher_of(cfg).name != "local":
+        check_launcher(cfg)
+        per_machine: int | None = ranks_per_host(cfg)
+    else:
+        per_machine = cfg.engine.ranks_per_machine or None
+    ok, reason = engine.available(cfg.ranks, per_machine)
+    if not ok:
+        raise LaunchError(f"engine={cfg.engine.name} cannot run here: {reason}")
+
+
+# ------------------------------------------------------------------ launchers beyond one machine
+
+
+def find_srun() -> str:
+    found = shutil.which("srun")
+    if found is None:
+        raise LaunchError("launcher=srun needs Slurm's srun on PATH; allowed: launcher=local or launcher=mpirun")
+    return found
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """``n1:8,n2:8`` -> [(n1, 8), (n2, 8)]; a host without ``:N`` has one slot (as mpirun's --host)."""
+    out = []
+    for item in str(spec).split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()) or slots == "0":
+            raise LaunchError(f"launcher.hosts={spec}; allowed: host:slots,... e.g. n1:8,n2:8")
+        out.append((name, int(slots or 1)))
+    return out
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """Open MPI's hostfile: ``host [slots=N]`` a line, ``#`` comments. A line without slots gets
+    the host's processor cores (as Open MPI does); only this machine's are known here, others count 1."""
+    file = Path(path)
+    if not file.is_file():
+        raise LaunchError(f"launcher.hostfile={path} does not exist; allowed: a file of `host slots=N` lines")
+    out = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = next((w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")), None)
+        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+            raise LaunchError(f"launcher.hostfile={path} line {number}: slots={slots}; allowed: slots=N with N >= 1")
+        out.append((words[0], int(slots) if slots else (processor_slots() if is_this_machine(words[0]) else 1)))
+    if not out:
+        raise LaunchError(f"launcher.hostfile={path} names no host; allowed: `host slots=N` lines")
+    return out
+
+
+def machines_of(cfg: Any) -> list[tuple[str, int]]:
+    """(host, slots) of an mpirun launcher, from hosts= or hostfile=."""
+    launcher = launcher_of(cfg)
+    return parse_hosts(launcher.hosts) if launcher.hosts else read_hostfile(str(launcher.hostfile))
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether a host name is this machine: it resolves to an address a socket here can bind."""
+    import socket
+
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+# Hosts found to answer ssh, so that a second preflight of the same job does not ask again.
+_SSH_OK: set[str] = set()
+SSH_TIMEOUT_S = 5
+
+
+def check_host(host: str, key: str) -> None:
+    """A host must resolve, and (when it is another machine) answer ssh without a password."""
+    import socket
+
+    if host in _SSH_OK or is_this_machine(host):
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        raise LaunchError(f"{key}: host {host} does not resolve; allowed: host names this machine resolves") from None
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        raise LaunchError(f"{key}: host {host} is another machine and ssh is not installed here; "
+                          "allowed: this machine's names, or install ssh")
+    try:
+        proc = subprocess.run([ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", host, "true"],
+                              capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 5, stdin=subprocess.DEVNULL)
+        answer = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        ok = proc.returncode == 0
+    except subprocess.TimeoutExpired:
+        ok, answer = False, f"no answer in {SSH_TIMEOUT_S + 5} s"
+    if not ok:
+        raise LaunchError(f"{key}: host {host} is not reachable over ssh ({answer}); "
+                          "allowed: hosts that answer `ssh -o BatchMode=yes HOST true`")
+    _SSH_OK.add(host)
+
+
+def check_interface(name: str | None) -> None:
+    """network_interface must name an interface of this machine."""
+    import socket
+
+    if not name:
+        return
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise LaunchError(f"launcher.network_interface={name} is not an interface here; allowed: {', '.join(names)}")
+
+
+def interface_args(name: str | None) -> list[str]:
+    """mpirun arguments that keep ranks on one interface, as bfrun and horovodrun set them:
+    MPI's TCP traffic (btl) and, off loopback, the runtime's own wire-up (oob); NCCL's sockets."""
+    if not name:
+        return []
+    args = ["--mca", "btl_tcp_if_include", name, "-x", f"NCCL_SOCKET_IFNAME={name}"]
+    if name != "lo":  # PRRTE wires daemons over routable interfaces only; on one machine it needs none
+        args += ["--prtemca", "oob_tcp_if_include", name]
+    return args
+
+
+def srun_layout(cfg: Any) -> list[str]:
+    """srun's placement: nodes = ceil(ranks / ranks_per_node), that many tasks on each."""
+    from bfexp.config import nodes_for
+
+    per_node = int(launcher_of(cfg).get("ranks_per_node", 0) or 0)
+    if per_node <= 0:
+        return []
+    return [f"--nodes={nodes_for(cfg.ranks, per_node)}", f"--ntasks-per-node={min(per_node, int(cfg.ranks))}"]
+
+
+def allocation_nodes() -> int:
+    """Nodes of the Slurm allocation this process runs in."""
+    return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+
+
+def check_launcher(cfg: Any) -> None:
+    """What the launcher needs before any rank starts: hosts that resolve and answer ssh,
+    slots for every rank and the network interface (mpirun); an allocation big enough (srun)."""
+    launcher = launcher_of(cfg)
+    check_interface(launcher.get("network_interface"))
+    if launcher.name == "mpirun":
+        key = f"launcher.hosts={launcher.hosts}" if launcher.hosts else f"launcher.hostfile={launcher.hostfile}"
+        machines = machines_of(cfg)
+        for host, _ in machines:
+            check_host(host, key)
+        slots = sum(n for _, n in machines)
+        if slots < cfg.ranks:
+            raise LaunchError(f"ranks={cfg.ranks} exceed the {slots} slots of {key}; allowed: ranks <= {slots}, "
+                              "or more slots")
+        find_mpiexec()
+    elif launcher.name == "srun":
+        find_srun()
+        if not os.environ.get("SLURM_JOB_ID"):
+            raise LaunchError("launcher=srun outside a Slurm allocation (no SLURM_JOB_ID); allowed: inside salloc "
+                              "or sbatch, or sweep with -m hydra/launcher=slurm")
+        from bfexp.config import nodes_for
+
+        nodes = nodes_for(cfg.ranks, launcher.ranks_per_node)
+        if nodes > allocation_nodes():
+            raise LaunchError(f"ranks={cfg.ranks} at launcher.ranks_per_node={launcher.ranks_per_node} need {nodes} "
+                              f"nodes; the allocation has {allocation_nodes()}; allowed: ranks <= "
+                              f"{allocation_nodes() * int(launcher.ranks_per_node)} or a bigger allocation")
+
+
+def ranks_per_host(cfg: Any) -> int:
+    """Most ranks the launcher puts on one machine (Open MPI fills each host's slots in order;
+    srun puts ranks_per_node on each node, or spreads them over the allocation)."""
+    launcher, ranks = launcher_of(cfg), int(cfg.ranks)
+    if launcher.name == "mpirun":
+        most, left = 0, ranks
+        for _, slots in machines_of(cfg):
+            most, left = max(most, min(slots, left)), left - min(slots, left)
+        return most or ranks
+    if launcher.name == "srun":
+        per_node = int(launcher.ranks_per_node)
+        return min(per_node, ranks) if per_node > 0 else -(-ranks // allocation_nodes())
+    return ranks
+
+
+def launcher_environment(cfg: Any, env: dict[str, str]) -> dict[str, str]:
+    """The ranks' environment for the job's launcher: Slurm's variables stay (srun reads its
+    allocation from them), PMIx quiet about its security plugin; the interface for NCCL and Open MPI."""
+    launcher = launcher_of(cfg)
+    if launcher.name == "local":
+        return env
+    # Threads per rank from the ranks sharing a machine, not from every rank of the job.
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, processor_slots() // ranks_per_host(cfg)))
+    env["MKL_NUM_THREADS"] = os.environ.get("MKL_NUM_THREADS") or env["OMP_NUM_THREADS"]
+    if launcher.name == "srun":
+        env.setdefault("PMIX_MCA_psec", "native")
+        interface = launcher.get("network_interface")
+        if interface:
+            env["NCCL_SOCKET_IFNAME"] = interface
+            env["OMPI_MCA_btl_tcp_if_include"] = interface
+    return env
 
 
 def processor_slots() -> int:
@@ -358,12 +835,12 @@ def choose_engine(cfg: Any) -> tuple[str, str]:
     while ranks <= processor slots x slots_factor; else threads."""
     import importlib.util
 
+    from bfexp.comm import engine_class
+
     ranks, engine = cfg.ranks, cfg.engine
     gpu_note = ""
     if importlib.util.find_spec("cupy") is not None:  # no CuPy: no GPU probe, no torch import here
-        from bfexp.comm.nccl import nccl_available
-
-        ok, why = nccl_available(ranks, engine.ranks_per_machine or None)
+        ok, why = engine_class("nccl").available(ranks, engine.ranks_per_machine or None)
         if ok:
             return "nccl", f"each of the {ranks} ranks has its own GPU"
         gpu_note = f"; not nccl: {why}"
@@ -371,66 +848,70 @@ def choose_engine(cfg: Any) -> tuple[str, str]:
     limit = f"{slots} processor slots x engine.slots_factor={factor:g} = {slots * factor:g}"
     if ranks <= slots * factor:
         return "mpi", f"ranks={ranks} fit {limit}{gpu_note}"
-    if not runs_on_threads(cfg.algorithm.name):
-        return "mpi", f"ranks={ranks} exceed {limit}, but algorithm={cfg.algorithm.name} needs a process per rank{gpu_note}"
+    if not runs_on(cfg, "threads"):
+        return "mpi", f"ranks={ranks} exceed {limit}, but this algorithm needs a process per rank{gpu_note}"
     return "threads", f"ranks={ranks} exceed {limit}{gpu_note}"
 
 
-def runs_on_threads(algorithm: str) -> bool:
-    """Whether an algorithm can run as virtual ranks (ddp needs one process per rank)."""
-    from bfexp.algorithms import algorithm_class
+def runs_on(cfg: Any, engine: str) -> bool:
+    """Whether the job's algorithm can run on an engine (ddp needs one process per rank)."""
+    from bfexp.comm import engine_class
+    from bfexp.config import target_of
+    from bfexp.errors import ConfigError
 
     try:
-        algorithm_class(algorithm).check_engine("threads")
-    except ValueError:
+        target_of(cfg.algorithm, "algorithm").check_run(
+            engine_class(engine), throughput_only=bool(cfg.throughput_only), modeled=bool(cfg.scaling.modeled))
+    except ConfigError:
         return False
     return True
 
 
-def with_engine(cfg: Any, name: str) -> Any:
-    """A copy of cfg running engine ``name``: its schema's defaults plus the settings both share."""
-    from omegaconf import open_dict
+def resolve_engine(cfg: Any) -> tuple[Any, str | None]:
+    """engine=auto: a copy of cfg running the engine it chooses, and the sentence saying why."""
+    if cfg.engine.name != "auto":
+        return cfg, None
+    from bfexp.config import engine_config
 
-    from bfexp.config import SCHEMAS
-
-    engine = OmegaConf.structured(SCHEMAS["engine"][name])
-    for key in engine:
-        if key != "name" and key in cfg.engine:
-            engine[key] = cfg.engine[key]
+    name, why = choose_engine(cfg)
     out = cfg.copy()
     with open_dict(out):
-        out.engine = engine
-    return out
+        out.engine = engine_config(cfg, name)
+    return out, f"engine=auto chose {name}: {why}"
 
 
-def launch_modeled(cfg: Any, run_dir: Path) -> JobResult:
-    """Throughput-only on a cluster that is not here: the cost model answers, no rank starts."""
-    from bfexp.scaling import modeled_job
+def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None,
+           engine_choice: str | None = None) -> JobResult:
+    """Run one job with the engine its config names (engine=auto: the one it chooses).
+
+    ``engine_choice`` is the sentence of a caller that already resolved engine=auto (kept in the summary).
+    """
+    from bfexp.comm import engine_class
+    from bfexp.worker import job_kind, modeled
 
     run_dir = Path(run_dir)
-    write_job_config(cfg, run_dir)
-    summary = modeled_job(cfg, run_dir)
-    return JobResult(summary["status"], run_dir, summary, 0)
-
-
-def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
-    """Run one job with the engine its config names (engine=auto: the one it chooses)."""
-    if cfg.get("throughput_only", False) and cfg.scaling.get("modeled", False):
-        return launch_modeled(cfg, run_dir)
-    choice = None
-    if cfg.engine.name == "auto":
-        name, why = choose_engine(cfg)
-        choice = f"engine=auto chose {name}: {why}"
+    if job_kind(cfg) == "modeled":  # a cluster that is not here: the cost model answers, no rank starts
+        write_job_config(cfg, run_dir)
+        summary = modeled(cfg, run_dir)
+        return JobResult(summary["status"], run_dir, summary, 0)
+    cfg, choice = resolve_engine(cfg)
+    choice = choice or engine_choice
+    if choice:
         print(choice, flush=True)
-        cfg = with_engine(cfg, name)
     check_engine(cfg)
-    if cfg.engine.name in ("mpi", "nccl"):  # nccl: one MPI rank per GPU, MPI only bootstraps
-        result = launch_mpi(cfg, run_dir, on_record)
-    elif cfg.engine.name == "threads":
-        result = launch_threads(cfg, run_dir, on_record)
-    else:
-        raise LaunchError(f"engine={cfg.engine.name!r}; allowed: auto, mpi, nccl, threads")
-    if choice and result.summary:
-        result.summary["engine_choice"] = choice
-        results.write_json_atomic(run_dir / results.SUMMARY, result.summary)
+    # A rerun of a failed job starts clean; one with a checkpoint continues from it (LaunchError when
+    # the checkpoint belongs to another experiment).
+    resumed = checkpoint.prepare(cfg, run_dir, int(cfg.steps) if cfg.get("epochs") is None else None)
+    if resumed:
+        print(f"resuming from the checkpoint at step {resumed['step']} in {run_dir}", flush=True)
+    with SIGNALS.job():  # a signal from here on stops the ranks; the summary is written before it can end us
+        reserve_space(run_dir)
+        if engine_class(cfg.engine.name).processes:  # mpi; nccl: one MPI rank per GPU, MPI only bootstraps
+            result = launch_mpi(cfg, run_dir, on_record)
+        else:
+            result = launch_threads(cfg, run_dir, on_record)
+        if choice and result.summary:
+            result.summary["engine_choice"] = choice
+            with contextlib.suppress(OSError):  # a full disk: the summary the job left stands
+                results.write_json_atomic(run_dir / results.SUMMARY, result.summary)
     return result

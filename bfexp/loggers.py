@@ -67,19 +67,21 @@ class WandbTracker(Tracker):
         import wandb
         from omegaconf import OmegaConf
 
+        from bfexp.config import label
+
         lc = cfg.logger
         sweep = sweep_dir()
         if sweep is not None:
             name, group = run_dir.name, lc.group or str(sweep)
         else:
-            name, group = f"{cfg.algorithm.name}-{cfg.topology.name}-x{cfg.ranks}-{run_dir.name}", lc.group
+            name, group = f"{label(cfg.algorithm)}-{label(cfg.topology)}-x{cfg.ranks}-{run_dir.name}", lc.group
         self._finished = False
         self.run = wandb.init(
             project=lc.project,
             entity=lc.entity,
             group=group,
             name=name,
-            job_type=cfg.algorithm.name,
+            job_type=label(cfg.algorithm),
             tags=list(lc.tags) or None,
             config=OmegaConf.to_container(cfg, resolve=True),
             dir=str(run_dir),

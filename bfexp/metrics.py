@@ -38,6 +38,22 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     return loss / max(1, len(y)), correct / max(1, len(y))
 
 
+def gather_floats(engine: Engine, *values: float) -> list[list[float]]:
+    """Every rank's values, on every rank: result[k][r] is value k of rank r (one allreduce).
+
+    Non-finite values travel as a separate mask, so a NaN on one rank stays that rank's.
+    """
+    import math
+
+    n, k = engine.size, len(values)
+    table = torch.zeros(k, n, dtype=torch.float64)
+    finite = torch.zeros(k, n, dtype=torch.float64)
+    table[:, engine.rank] = torch.tensor([v if math.isfinite(v) else 0.0 for v in values], dtype=torch.float64)
+    finite[:, engine.rank] = torch.tensor([1.0 if math.isfinite(v) else 0.0 for v in values], dtype=torch.float64)
+    table, finite = engine.allreduce([table, finite], op="sum")
+    return [[float(table[i, r]) if finite[i, r] else float("nan") for r in range(n)] for i in range(k)]
+
+
 def global_mean(engine: Engine, *values: float) -> list[float]:
     """Average of each value over ranks, in one message."""
     t = torch.tensor(values, dtype=torch.float64)
@@ -46,27 +62,43 @@ def global_mean(engine: Engine, *values: float) -> list[float]:
 
 @dataclass
 class StepTimer:
-    """Wall time of training steps, split into communication (engine-reported) and the rest."""
+    """Wall time of training steps, split into communication (engine-reported) and the rest.
+
+    Keeps every timed step (after ``warmup``) as a sample: bfexp.scaling takes
+    the median and its interval from them, which a few preempted steps on a
+    busy machine do not move as they move a mean. ``cuda=True`` synchronizes
+    the device around each step, so a GPU step is timed to its end.
+    """
 
     warmup: int = 3
+    cuda: bool = False
     steps: int = 0
     total_s: float = 0.0
     comm_s: float = 0.0
     window: list = field(default_factory=list)
+    step_samples: list = field(default_factory=list)  # seconds per timed step
+    blocked_samples: list = field(default_factory=list)  # seconds each timed step was blocked in the engine
     _t0: float = 0.0
     _c0: float = 0.0
 
     def start(self, engine: Engine) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
         self._t0 = time.perf_counter()
         self._c0 = engine.comm_time_s
 
     def stop(self, engine: Engine) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - self._t0
         self.window.append(dt)
         self.steps += 1
         if self.steps > self.warmup:
+            blocked = engine.comm_time_s - self._c0
             self.total_s += dt
-            self.comm_s += engine.comm_time_s - self._c0
+            self.comm_s += blocked
+            self.step_samples.append(dt)
+            self.blocked_samples.append(blocked)
 
     def take_window(self) -> float:
         """Mean step time since the last call (for progress records)."""
@@ -80,3 +112,8 @@ class StepTimer:
     @property
     def mean_step_s(self) -> float:
         return self.total_s / self.timed_steps if self.timed_steps else float("nan")
+
+    @property
+    def mean_blocked_s(self) -> float:
+        """Mean seconds per timed step spent blocked in the engine (communication and waiting)."""
+        return self.comm_s / self.timed_steps if self.timed_steps else float("nan")

@@ -1,43 +1,111 @@
-"""A small model zoo. Every model is initialized from an explicit torch.Generator,
-never the global RNG, so virtual ranks in threads get the same numbers as MPI ranks."""
+"""The model zoo, and how a model config becomes an initialized nn.Module.
+
+A model option is a YAML whose ``_target_`` names a callable returning an
+nn.Module: a class below, or a user's own (``model._target_=mypkg.Net``, or a
+YAML in their own config dir). Its keyword parameters are the options. bfexp
+adds what only the data knows, and only those the signature names (a class's
+``**kwargs`` forwarded to its base count the base's names; all three if the
+chain ends open):
+
+* ``in_shape``: one sample's shape, e.g. (1, 28, 28) or (32,);
+* ``in_features``: the product of ``in_shape``;
+* ``classes``: the number of labels.
+
+``build_model`` materializes lazily sized layers on a zero batch, then draws
+every weight from one explicit torch.Generator seeded with the run's seed, so
+no weight depends on torch's global RNG (which virtual ranks in threads
+share): every rank and every engine starts from the same numbers.
+
+Throughput-only jobs size a model without loading data (``sample_shape``): a
+model class may declare ``input_spec(**options) -> (in_shape, classes)``
+(ResNet-50 declares ImageNet's); otherwise the dataset's ``sample_shape()``
+says. ``parameter_count`` builds on torch's meta device: shapes, no memory.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Literal, Sequence, get_args
 
 import torch
 from torch import nn
 
+from bfexp import config
+from bfexp.data import Dataset
+from bfexp.errors import ConfigError
+
+__all__ = ["CNN", "LogReg", "MLP", "ResNet50", "build_model", "initialize", "parameter_count", "sample_shape"]
+
+Activation = Literal["relu", "tanh", "gelu"]
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
 
-def logreg(in_features: int, classes: int, cfg: Any) -> nn.Module:
+def _widths(key: str, values: Sequence[int], nonempty: bool = False) -> list[int]:
+    """Layer widths from config, each an integer >= 1 (ConfigError otherwise)."""
+    widths = list(values)
+    if (nonempty and not widths) or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        raise ConfigError(f"{key}={widths}; allowed: a {'non-empty ' if nonempty else ''}list of integers >= 1")
+    return widths
+
+
+def _positive(key: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}={value}; allowed: an integer >= 1")
+    return value
+
+
+# ------------------------------------------------------------------ models
+# Each is an nn.Sequential of the same modules, in the same order, as the
+# builders they replace, so one seed draws the same weights as before.
+
+
+class LogReg(nn.Sequential):
     """Multinomial logistic regression: one linear layer on flattened inputs."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, classes))
+
+    name: ClassVar[str] = "logreg"
+
+    def __init__(self, in_shape: tuple[int, ...], classes: int) -> None:
+        super().__init__(nn.Flatten(), nn.Linear(math.prod(in_shape), classes))
 
 
-def mlp(in_features: int, classes: int, cfg: Any) -> nn.Module:
-    layers: list[nn.Module] = [nn.Flatten()]
-    width = in_features
-    for hidden in cfg.hidden:
-        layers += [nn.Linear(width, hidden), ACTIVATIONS[cfg.activation]()]
-        width = hidden
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
+class MLP(nn.Sequential):
+    """Multi-layer perceptron on flattened inputs: Linear + activation per hidden width, then a linear head."""
+
+    name: ClassVar[str] = "mlp"
+
+    def __init__(
+        self, in_shape: tuple[int, ...], classes: int, hidden: tuple[int, ...] = (64,), activation: Activation = "relu"
+    ) -> None:
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"model.activation={activation!r}; allowed: {', '.join(get_args(Activation))}")
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = math.prod(in_shape)
+        for out in _widths("model.hidden", hidden):
+            layers += [nn.Linear(width, out), ACTIVATIONS[activation]()]
+            width = out
+        layers.append(nn.Linear(width, classes))
+        super().__init__(*layers)
 
 
-def cnn(in_features: int, classes: int, cfg: Any) -> nn.Module:
+class CNN(nn.Sequential):
     """LeNet-style: conv-relu-pool blocks, then two linear layers. Needs image input
     (N, C, H, W); flat inputs of a square size (e.g. digits' 64) are viewed as one channel."""
-    layers: list[nn.Module] = []
-    in_ch = None  # inferred from the first batch (1 for MNIST, 3 for CIFAR-10)
-    for out_ch in cfg.channels:
-        conv = nn.LazyConv2d(out_ch, 3, padding=1) if in_ch is None else nn.Conv2d(in_ch, out_ch, 3, padding=1)
-        layers += [conv, nn.ReLU(), nn.MaxPool2d(2)]
-        in_ch = out_ch
-    return nn.Sequential(_AsImage(in_features), *layers, nn.Flatten(), nn.LazyLinear(cfg.hidden), nn.ReLU(),
-                         nn.Linear(cfg.hidden, classes))
+
+    name: ClassVar[str] = "cnn"
+
+    def __init__(
+        self, in_shape: tuple[int, ...], classes: int, channels: tuple[int, ...] = (16, 32), hidden: int = 128
+    ) -> None:
+        widths = _widths("model.channels", channels, nonempty=True)
+        _positive("model.hidden", hidden)
+        layers: list[nn.Module] = []
+        in_ch = None  # sized by the first batch (1 for MNIST, 3 for CIFAR-10)
+        for out_ch in widths:
+            conv = nn.LazyConv2d(out_ch, 3, padding=1) if in_ch is None else nn.Conv2d(in_ch, out_ch, 3, padding=1)
+            layers += [conv, nn.ReLU(), nn.MaxPool2d(2)]
+            in_ch = out_ch
+        super().__init__(_AsImage(math.prod(in_shape)), *layers, nn.Flatten(), nn.LazyLinear(hidden), nn.ReLU(),
+                         nn.Linear(hidden, classes))
 
 
 class _AsImage(nn.Module):
@@ -126,65 +194,82 @@ class _AsImages(nn.Module):
         return x
 
 
-def resnet50(in_features: int, classes: int, cfg: Any) -> nn.Module:
-    """ResNet-50: torchvision's when it imports (it does not with the CPU torch
-    pinned here, hence the lazy import), the built-in copy otherwise."""
-    channels = int(cfg.get("channels", 3))
-    side = math.isqrt(max(1, in_features // channels))
-    if channels * side * side != in_features:
-        raise ValueError(
-            f"model=resnet50 needs square images of model.channels={channels} channels; "
-            f"got {in_features} input features; allowed: {channels} x s x s (e.g. dataset=cifar10)"
-        )
-    try:
-        from torchvision.models import resnet50 as tv_resnet50
+class ResNet50(nn.Sequential):
+    """ResNet-50 (He et al. 2016): torchvision's when it imports (it does not with
+    the CPU torch pinned here, hence the lazy import), the built-in copy otherwise.
 
-        net = tv_resnet50(weights=None, num_classes=classes)
-        if channels != 3:
-            net.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
-    except Exception:  # not installed, or built for another torch
-        net = _ResNet50(classes, channels)
-    return nn.Sequential(_AsImages(channels), net)
-
-
-MODEL_BUILDERS: dict[str, Callable[[int, int, Any], nn.Module]] = {
-    "logreg": logreg,
-    "mlp": mlp,
-    "cnn": cnn,
-    "resnet50": resnet50,
-}
-
-
-def sample_shape(model_cfg: Any, dataset_cfg: Any) -> tuple[tuple[int, ...], int]:
-    """(one sample's shape, classes) without loading data, for sizing a model.
-
-    ResNet-50 declares ImageNet's shape; the built-in data sets have known
-    shapes; any other data set is loaded (rank 0 of 1) to find out.
+    Training uses the data's classes and views flat inputs as square images of
+    `channels` channels. `image_size` (and ImageNet's 1000 classes) is what a
+    throughput-only job, which loads no data, sizes the model for (`input_spec`).
     """
-    if model_cfg.name == "resnet50":
-        side, channels = int(model_cfg.image_size), int(model_cfg.channels)
-        return (channels, side, side), int(model_cfg.classes)
-    known = {"digits": ((64,), 10), "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}
-    if dataset_cfg.name == "synthetic":
-        return (int(dataset_cfg.features),), int(dataset_cfg.classes)
-    if dataset_cfg.name in known:
-        return known[dataset_cfg.name]
-    from bfexp.data import load_rank_data
 
-    data = load_rank_data(dataset_cfg, 0, 1, 0)
-    return tuple(data.train_x.shape[1:]), int(data.classes)
+    name: ClassVar[str] = "resnet50"
+    imagenet_classes: ClassVar[int] = 1000
+
+    def __init__(
+        self, in_shape: tuple[int, ...], classes: int = 1000, channels: int = 3, image_size: int = 224
+    ) -> None:
+        _positive("model.channels", channels)
+        _positive("model.image_size", image_size)
+        in_features = math.prod(in_shape)
+        side = math.isqrt(max(1, in_features // channels))
+        if channels * side * side != in_features:
+            raise ConfigError(
+                f"model=resnet50 needs square images of model.channels={channels} channels; "
+                f"got {in_features} input features; allowed: {channels} x s x s (e.g. dataset=cifar10)"
+            )
+        try:
+            from torchvision.models import resnet50 as tv_resnet50
+
+            net = tv_resnet50(weights=None, num_classes=classes)
+            if channels != 3:
+                net.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
+        except Exception:  # not installed, or built for another torch
+            net = _ResNet50(classes, channels)
+        super().__init__(_AsImages(channels), net)
+
+    @classmethod
+    def input_spec(cls, channels: int = 3, image_size: int = 224) -> tuple[tuple[int, ...], int]:
+        """ImageNet-sized input: what throughput-only sizes ResNet-50 for, with no data loaded."""
+        return (channels, image_size, image_size), cls.imagenet_classes
 
 
-def parameter_count(model_cfg: Any, dataset_cfg: Any) -> int:
-    """Parameters of the model a config names, built on torch's meta device:
-    shapes only, no memory and no compute, so a 128-rank ResNet-50 study costs nothing."""
-    shape, classes = sample_shape(model_cfg, dataset_cfg)
-    in_features = int(math.prod(shape))
-    with torch.device("meta"):
-        model = MODEL_BUILDERS[model_cfg.name](in_features, classes, model_cfg)
-        if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
-            model(torch.zeros(1, *shape))
-    return sum(p.numel() for p in model.parameters())
+# ------------------------------------------------------------------ config -> model
+
+
+def _accepted(target: Callable[..., Any]) -> set[str] | None:
+    """Keyword names a target takes (through ``**kwargs`` chains to its bases, as the
+    driver's check reads them); None when it takes any."""
+    params, _, open_ended = config.signature_schema(target)
+    return None if open_ended else set(params)
+
+
+def _construct(node: Any, in_shape: Sequence[int], classes: int) -> nn.Module:
+    """Build the node's target (checked against its signature) with the run-time arguments it takes."""
+    shape = tuple(int(d) for d in in_shape)
+    offered = {"in_shape": shape, "in_features": math.prod(shape), "classes": int(classes)}
+    accepted = _accepted(config.target_of(node, "model"))
+    if accepted is not None:
+        offered = {k: v for k, v in offered.items() if k in accepted}
+    model = config.build(node, "model", **offered)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model._target_={node['_target_']!r} returned {type(model).__name__}; "
+            "allowed: a class or function that returns a torch.nn.Module"
+        )
+    return model
+
+
+def _materialize(model: nn.Module, in_shape: Sequence[int]) -> None:
+    """Size lazy layers with one zero sample, in eval mode: batch norm accepts a batch
+    of one and keeps no statistics of the dummy batch."""
+    if not any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
+        return
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        model(torch.zeros(1, *in_shape))
+    model.train(training)
 
 
 @torch.no_grad()
@@ -204,25 +289,35 @@ def initialize(model: nn.Module, generator: torch.Generator) -> None:
 
 
 def build_model(
-    cfg: Any,
-    in_features: int,
-    classes: int,
-    seed: int,
-    dtype: torch.dtype = torch.float32,
-    in_shape: tuple[int, ...] | None = None,
+    node: Any, in_shape: tuple[int, ...], classes: int, seed: int, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """The model a config names, identical on every rank for the same seed.
-
-    `in_shape` (one sample's shape) lets models with lazily sized layers
-    materialize them before initialization; it defaults to (in_features,).
-    """
-    try:
-        builder = MODEL_BUILDERS[cfg.name]
-    except KeyError:
-        raise ValueError(f"model={cfg.name!r}; allowed: {', '.join(MODEL_BUILDERS)}") from None
-    model = builder(in_features, classes, cfg)
-    if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
-        with torch.no_grad():
-            model(torch.zeros(1, *(in_shape or (in_features,))))
+    """The model a config node names (a mapping with `_target_`), identical on every rank for the same seed."""
+    model = _construct(node, in_shape, classes)
+    _materialize(model, in_shape)
     initialize(model, torch.Generator().manual_seed(seed))
     return model.to(dtype)
+
+
+def parameter_count(node: Any, in_shape: tuple[int, ...], classes: int) -> int:
+    """Parameters of the model a node names, built on torch's meta device: shapes only,
+    no memory and no compute, so sizing a 128-rank ResNet-50 study costs nothing."""
+    with torch.device("meta"):
+        model = _construct(node, in_shape, classes)
+        _materialize(model, in_shape)
+    return sum(p.numel() for p in model.parameters())
+
+
+def sample_shape(model_node: Any, dataset: Dataset) -> tuple[tuple[int, ...], int]:
+    """(one sample's shape, classes) to size a model when no data is loaded (throughput-only).
+
+    The model's own `input_spec(**options)` when its class declares one (ResNet-50:
+    ImageNet's; it gets the node's options its signature names), else the dataset's
+    `sample_shape()`.
+    """
+    spec = getattr(config.target_of(model_node, "model"), "input_spec", None)
+    if spec is not None:
+        accepted = _accepted(spec)  # a subclass's own options need not reach its base's input_spec
+        options = config.node_options(model_node)
+        shape, classes = spec(**{k: v for k, v in options.items() if accepted is None or k in accepted})
+        return tuple(int(d) for d in shape), int(classes)
+    return dataset.sample_shape()

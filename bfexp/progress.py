@@ -6,12 +6,13 @@ renders progress from rank 0's metrics stream instead.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from bfexp import results
 
 console = Console(stderr=False)
 
@@ -110,18 +111,33 @@ class ConsoleProgress:
             self._progress.stop()
 
 
-SUMMARY_ROWS = [
-    ("status", "status"),
-    ("final_loss", "loss"),
-    ("final_accuracy", "accuracy"),
-    ("consensus_distance", "consensus distance"),
-    ("step_time_s", "step time (s)"),
-    ("throughput_samples_per_s", "throughput (samples/s)"),
-    ("scaling_efficiency", "scaling efficiency"),
-    ("speedup_vs_baseline", "speedup vs allreduce"),
-    ("time_source", "scaling figures"),
-    ("wall_time_s", "wall time (s)"),
-]
+def figure(summary: dict, key: str, digits: int = 4) -> str:
+    """A figure as the tables show it: the value, then its interval when it has one."""
+    text = _fmt(summary.get(key), digits)
+    bounds = results.INTERVALS.get(key)
+    if bounds and summary.get(key) is not None and all(summary.get(b) is not None for b in bounds):
+        low, high = (_fmt(summary[b], 3) for b in bounds)
+        if low != high:
+            text += f" [{low}, {high}]"
+    return text
+
+
+def reference_note(summary: dict) -> str | None:
+    """Where the single-rank reference came from: measured in this job, or the cache (taken when, at what load)."""
+    ref = summary.get("reference")
+    if not isinstance(ref, dict):
+        return None
+    load = ref.get("load_average_1min")
+    at = f" at load {load:.2f}" if isinstance(load, (int, float)) else ""
+    if ref.get("source") == "cache":
+        text = f"single-rank reference from the cache, measured {ref.get('measured_at')}{at}"
+    elif ref.get("source") == "measured":
+        text = f"single-rank reference measured in this job{at}"
+        if ref.get("refreshed"):
+            text += f" ({ref['refreshed']})"
+    else:
+        return None
+    return text
 
 
 def print_summary(summary: dict, run_dir: str) -> None:
@@ -129,17 +145,13 @@ def print_summary(summary: dict, run_dir: str) -> None:
     table = Table(title=title, show_header=False)
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key, label in SUMMARY_ROWS:
-        if key in summary:
-            table.add_row(label, _fmt(summary[key]))
+    for f in results.FIELDS:
+        if f.job_table and f.key in summary:
+            table.add_row(f.label, figure(summary, f.key))
     if summary.get("error"):
         table.add_row("error", str(summary["error"]))
     console.print(table)
-    if summary.get("contention"):
-        console.print(f"note: {summary['contention']}", highlight=False)
+    for note in (reference_note(summary), summary.get("contention")):
+        if note:
+            console.print(f"note: {note}", highlight=False)
     console.print(f"results: {run_dir}", highlight=False)
-
-
-def error(message: str) -> None:
-    """The one-line error format for bad input."""
-    print(f"bfexp: error: {message}", file=sys.stderr)

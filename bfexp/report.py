@@ -32,7 +32,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Iterable
 
-from bfexp import results
+from bfexp import results, scaling
 
 try:  # the Hydra callback API; the report itself does not need Hydra
     from hydra.experimental.callback import Callback
@@ -43,55 +43,31 @@ CSV_NAME = "report.csv"
 MD_NAME = "report.md"
 OK_STATUSES = ("completed",)
 
-# Summary fields in the order the table shows them (those no job has are dropped).
-TABLE_FIELDS = [
-    "status",
-    "final_loss",
-    "final_accuracy",
-    "consensus_distance",
-    "step_time_s",
-    "throughput_samples_per_s",
-    "scaling_efficiency",
-    "baseline_throughput_samples_per_s",
-    "baseline_scaling_efficiency",
-    "speedup_vs_baseline",
-    "comm_time_s",
-    "compute_time_s",
-    "wait_time_s",
-    "time_source",
-    "error",
-]
+# Summary fields in the order the table shows them (those no job has are dropped); errors last.
+TABLE_FIELDS = [f.key for f in results.FIELDS if f.key != "wall_time_s"] + ["error"]
 # What identifies a job; shown in the table only when it differs between jobs.
-IDENTITY_FIELDS = ["algorithm", "topology", "ranks", "engine", "model", "dataset"]
+IDENTITY_FIELDS = [k for k in results.IDENTITY if k not in ("seed", "batch_size", "lr")]
 # The console shows fewer figures than report.md (width is scarce), under short headers;
 # errors follow the table, one line each, rather than squeezing it.
-CONSOLE_FIELDS = [
-    "status",
-    "final_loss",
-    "final_accuracy",
-    "consensus_distance",
-    "throughput_samples_per_s",
-    "scaling_efficiency",
-    "speedup_vs_baseline",
-    "time_source",
-]
-CONSOLE_LABELS = {
-    "final_loss": "loss",
-    "final_accuracy": "acc",
-    "consensus_distance": "consensus",
-    "step_time_s": "step s",
-    "throughput_samples_per_s": "samples/s",
-    "scaling_efficiency": "efficiency",
-    "baseline_throughput_samples_per_s": "base samples/s",
-    "baseline_scaling_efficiency": "base eff",
-    "speedup_vs_baseline": "speedup",
-    "comm_time_s": "comm s",
-    "compute_time_s": "compute s",
-    "wait_time_s": "wait s",
-    "time_source": "time",
-}
+CONSOLE_FIELDS = [f.key for f in results.FIELDS if f.console]
+CONSOLE_LABELS = {f.key: f.short for f in results.FIELDS if f.key != "status"}
 # Swept keys that do not make a separate curve: repeats and the x axis itself.
 NOT_A_SERIES = ("ranks", "seed")
+# The two ends of every figure's interval: CSV columns of their own, folded into the figure's cell elsewhere.
+BOUNDS = {f.key for f in results.FIELDS if f.bound_of}
+# Whether a job's speedup over the allreduce baseline is within noise (its interval holds 1).
+NOISE_KEY = "speedup_vs_baseline_within_noise"
+# Swept keys of the algorithm or topology: what the allreduce baseline does not depend on.
+SERIES_ONLY = ("algorithm", "topology")
+DEFINITIONS = (
+    "scaling efficiency = throughput at R ranks / (R x throughput of the same step on 1 rank: the same "
+    "algorithm wrapper, model and batch, communication on the engine's single-rank path), so a 1-rank job "
+    "scores 1 up to noise; framework overhead = that 1-rank step / a plain torch step of the same model and "
+    "batch - 1. Figures are medians of per-step times; [low, high] is the order-statistic 95% interval of the "
+    "median of 10 runs of consecutive steps (fewer than 30 steps: of the steps), and figures derived from two "
+    "timings take the widest combination of their ends. "
+    "Two figures whose intervals overlap differ by less than their combined spread: within noise."
+)
 
 
 # ------------------------------------------------------------------ collecting
@@ -206,12 +182,22 @@ def swept_value(job: Job, key: str) -> Any:
     return job.summary.get(key)
 
 
+def speedup_within_noise(summary: dict) -> bool | None:
+    """The job's difference from the allreduce baseline is smaller than their combined spread
+    (the speedup's interval holds 1); None without an interval, or for the baseline itself."""
+    speedup = scaling.get(summary, "speedup_vs_baseline")
+    if speedup is None or summary.get(results.low_key("speedup_vs_baseline")) is None or speedup.low == speedup.high:
+        return None
+    return scaling.within_noise(speedup, scaling.Spread.exact(1.0))
+
+
 def build_table(jobs: list[Job]) -> Table:
     swept = swept_keys(jobs)
     rows = []
     for job in jobs:
         row: dict[str, Any] = {"job": job.name}
         row.update(job.summary)
+        row[NOISE_KEY] = speedup_within_noise(job.summary)
         # Nested figures (e.g. the measured and modeled sets beside the headline) as dotted columns.
         for key, value in job.summary.items():
             if isinstance(value, dict):
@@ -223,9 +209,12 @@ def build_table(jobs: list[Job]) -> Table:
         return any(r.get(key) not in (None, "") for r in rows)
 
     varying_identity = [k for k in IDENTITY_FIELDS if k not in swept and len({str(r.get(k)) for r in rows}) > 1]
-    columns = ["job", *swept, *varying_identity, *[k for k in TABLE_FIELDS if present(k) or k == "status"]]
-    # The CSV keeps a stable schema (every known figure, empty where a job lacks it) plus any newer field.
-    known = ["job", *swept, *IDENTITY_FIELDS, *TABLE_FIELDS]
+    columns = ["job", *swept, *varying_identity,
+               *[k for k in TABLE_FIELDS if (present(k) or k == "status") and k not in BOUNDS]]
+    # The CSV keeps a stable schema (every known figure and its interval's ends, empty where a job
+    # lacks them) plus any newer field.
+    speedup_at = TABLE_FIELDS.index(results.high_key("speedup_vs_baseline")) + 1
+    known = ["job", *swept, *IDENTITY_FIELDS, *TABLE_FIELDS[:speedup_at], NOISE_KEY, *TABLE_FIELDS[speedup_at:]]
     extra = sorted({k for r in rows for k in r if k not in known and not isinstance(r[k], (dict, list))})
     csv_columns = list(dict.fromkeys(k for k in known if k != "error")) + extra + ["error"]
     return Table(swept, columns, csv_columns, rows)
@@ -254,8 +243,21 @@ def to_csv(table: Table) -> str:
     return buf.getvalue()
 
 
-def _md_cell(value: Any) -> str:
-    return fmt(value).replace("|", "\\|").replace("\n", " ")
+def cell(row: dict, key: str, digits: int = 4) -> str:
+    """A figure as people read it: its value, its interval, and whether it is within noise of the baseline."""
+    text = fmt(row.get(key), digits)
+    bounds = results.INTERVALS.get(key)
+    if text and bounds and all(row.get(b) is not None for b in bounds):
+        low, high = (fmt(row[b], 3) for b in bounds)
+        if low != high:
+            text += f" [{low}, {high}]"
+    if key == "speedup_vs_baseline" and row.get(NOISE_KEY):
+        text += " (within noise)"
+    return text
+
+
+def _md_cell(row: dict, key: str) -> str:
+    return cell(row, key).replace("|", "\\|").replace("\n", " ")
 
 
 def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], notes: list[str]) -> str:
@@ -275,7 +277,7 @@ def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], no
         lines.append("Fixed overrides: " + " ".join(f"`{k}={v}`" for k, v in fixed.items()) + ".")
     lines += ["", "| " + " | ".join(table.columns) + " |", "|" + "|".join("---" for _ in table.columns) + "|"]
     for row, job in zip(table.rows, jobs):
-        cells = [_md_cell(row.get(c)) for c in table.columns]
+        cells = [_md_cell(row, c) for c in table.columns]
         if job.number is not None and job.path != root:  # the job's number, linked to its folder
             cells[0] = f"[{job.number}](<{job.name}/>)"
         lines.append("| " + " | ".join(cells) + " |")
@@ -289,10 +291,36 @@ def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], no
         lines += ["", "## Left out of the plots", ""]
         lines += [f"- `{j.name}`: {j.status}" + (f": {j.summary['error']}" if j.summary.get("error") else "") for j in left_out]
     contention = {str(j.summary["contention"]) for j in jobs if j.summary.get("contention")}
-    notes = [*notes, *sorted(contention)]
+    definitions = [DEFINITIONS] if any(j.summary.get("scaling_efficiency") is not None for j in jobs) else []
+    notes = [*definitions, *noise_notes(jobs, table.swept), *notes, *sorted(contention)]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def combined(figures: list[scaling.Spread]) -> scaling.Spread:
+    """Repeats of one figure (e.g. seeds) as one: their mean, from the lowest low to the highest high."""
+    return scaling.Spread(mean(f.value for f in figures), min(f.low for f in figures), max(f.high for f in figures))
+
+
+def noise_notes(jobs: list[Job], swept: list[str], key: str = "throughput_samples_per_s", most: int = 12) -> list[str]:
+    """Curves whose figure at the same rank count differs by less than the combined spread: within noise."""
+    by_ranks: dict[int, dict[str, scaling.Spread]] = defaultdict(dict)
+    for label, per_ranks in points_by_series([j for j in jobs if j.ok], swept, key).items():
+        for ranks, figures in per_ranks.items():
+            if any(f.low != f.high for f in figures):
+                by_ranks[ranks][label] = combined(figures)
+    found = []
+    for ranks, series in sorted(by_ranks.items()):
+        labels = list(series)
+        for i, a in enumerate(labels):
+            for b in labels[i + 1:]:
+                if scaling.within_noise(series[a], series[b]):
+                    found.append(f"{ranks} ranks: {a} ({fmt(series[a].value)}) and {b} ({fmt(series[b].value)}) "
+                                 f"differ in {key} by less than their combined spread: within noise")
+    if len(found) > most:
+        found = found[:most] + [f"... and {len(found) - most} more pairs within noise"]
+    return found
 
 
 def render_table(table: Table, title: str) -> Any:
@@ -309,7 +337,7 @@ def render_table(table: Table, title: str) -> Any:
     for row in table.rows:
         cells = []
         for col in columns:
-            text = fmt(row.get(col), digits=3)
+            text = cell(row, col, digits=3)
             if col == "job" and numbered:
                 text = text.split("_", 1)[0]
             if col == "status" and text != "completed":
@@ -359,17 +387,19 @@ def curve(records: list[dict], xkey: str, ykey: str) -> list[tuple[float, float]
     return [(x, rec[ykey]) for x, rec in zip(xs, records) if _finite(x) and _finite(rec.get(ykey))]
 
 
-def points_by_series(jobs: list[Job], swept: list[str], key: str) -> dict[str, dict[int, list[float]]]:
-    """A summary figure of each job, by curve and rank count (repeats, e.g. seeds, share a point)."""
-    points: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+def points_by_series(jobs: list[Job], swept: list[str], key: str,
+                     label: Any = series_label) -> dict[str, dict[int, list[scaling.Spread]]]:
+    """A summary figure of each job with its interval (none: a point), by curve and rank count
+    (repeats, e.g. seeds, share a point). ``label(job, swept)`` names a job's curve."""
+    points: dict[str, dict[int, list[scaling.Spread]]] = defaultdict(lambda: defaultdict(list))
     for job in jobs:
-        value, ranks = job.summary.get(key), job.summary.get("ranks")
-        if _finite(value) and isinstance(ranks, int):
-            points[series_label(job, swept)][ranks].append(float(value))
+        figure, ranks = scaling.get(job.summary, key), job.summary.get("ranks")
+        if figure is not None and isinstance(ranks, int):
+            points[label(job, swept)][ranks].append(figure)
     return points
 
 
-def efficiency_series(jobs: list[Job], swept: list[str]) -> dict[str, tuple[dict[int, list[float]], str]]:
+def efficiency_series(jobs: list[Job], swept: list[str]) -> dict[str, tuple[dict[int, list[scaling.Spread]], str]]:
     """Scaling efficiency by curve and rank count, with a legend suffix saying where it comes from.
 
     summary.json's scaling_efficiency when every job of the curve has it.
@@ -379,15 +409,15 @@ def efficiency_series(jobs: list[Job], swept: list[str]) -> dict[str, tuple[dict
     """
     measured = points_by_series(jobs, swept, "scaling_efficiency")
     throughput = points_by_series(jobs, swept, "throughput_samples_per_s")
-    out: dict[str, tuple[dict[int, list[float]], str]] = {}
+    out: dict[str, tuple[dict[int, list[scaling.Spread]], str]] = {}
     for label in dict.fromkeys([*measured, *throughput]):
         points, tp = measured.get(label, {}), throughput.get(label, {})
         if points and set(tp) <= set(points):
             out[label] = (dict(points), "")
         elif len(tp) >= 2:
             r0 = min(tp)
-            per_rank0 = mean(tp[r0]) / r0
-            derived = {r: [t / r / per_rank0 for t in v] for r, v in tp.items()}
+            per_rank0 = mean(t.value for t in tp[r0]) / r0
+            derived = {r: [t.times(1 / (r * per_rank0)) for t in v] for r, v in tp.items()}
             out[label] = (derived, f" (vs {r0} rank{'s' if r0 > 1 else ''}, from throughput)")
     return out
 
@@ -410,6 +440,7 @@ class Plotter:
         self.colors = {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
         self.notes: list[str] = []
         self.written: list[Path] = []
+        self.figures: dict[str, Any] = {}  # file name -> the matplotlib Figure written there
 
     # -- helpers
     def figure(self, width: float = 7.5, height: float = 4.8):
@@ -436,6 +467,7 @@ class Plotter:
         fig.savefig(tmp, format="png", dpi=self.DPI)
         os.replace(tmp, path)
         self.written.append(path)
+        self.figures[name] = fig
 
     def rank_axis(self, ax, ranks: list[int]) -> None:
         from matplotlib.ticker import NullLocator, ScalarFormatter
@@ -448,21 +480,41 @@ class Plotter:
         ax.set_xlabel("ranks")
         ax.grid(True, alpha=0.3)
 
-    def draw_series(self, ax, label: str, per_ranks: dict[int, list[float]], suffix: str = "") -> None:
+    def draw_series(self, ax, label: str, per_ranks: dict[int, list[scaling.Spread]], suffix: str = "",
+                    several: str = "mean of repeats", **style: Any) -> list[float]:
+        """One curve with error bars: each job's interval (``several`` jobs at one x: their mean, from the
+        lowest low to the highest high). Returns the values drawn (the axis limits follow them: an interval
+        as wide as a busy machine can make it runs off the chart rather than flattening every curve)."""
         xs = sorted(per_ranks)
-        ys = [mean(per_ranks[x]) for x in xs]
-        lo = [y - min(per_ranks[x]) for x, y in zip(xs, ys)]
-        hi = [max(per_ranks[x]) - y for x, y in zip(xs, ys)]
+        points = [combined(per_ranks[x]) for x in xs]
+        lo = [p.value - p.low for p in points]
+        hi = [p.high - p.value for p in points]
+        bars = any(lo) or any(hi)
         repeats = any(len(v) > 1 for v in per_ranks.values())
-        ax.errorbar(xs, ys, yerr=[lo, hi] if repeats else None, marker="o", capsize=3,
-                    color=self.colors.get(label), label=label + suffix + (" (mean, min-max)" if repeats else ""))
+        what = [several] if repeats else []
+        if bars:
+            what.append("widest interval" if repeats else "median, interval")
+        what = f" ({', '.join(what)})" if what else ""
+        ax.errorbar(xs, [p.value for p in points], yerr=[lo, hi] if bars else None, capsize=3,
+                    **{"marker": "o", "color": self.colors.get(label), **style}, label=label + suffix + what)
+        return [p.value for p in points]
 
-    def baseline(self, key: str) -> dict[int, float]:
-        per: dict[int, list[float]] = defaultdict(list)
-        for job in self.ok:
-            if _finite(job.summary.get(key)) and isinstance(job.summary.get("ranks"), int):
-                per[job.summary["ranks"]].append(float(job.summary[key]))
-        return {r: mean(v) for r, v in sorted(per.items())}
+    def baseline_label(self, job: Job, swept: list[str]) -> str:
+        """The allreduce baseline's curve for a job: one per value of the swept keys it depends on (all
+        but the algorithm's, the topology's, ranks and seeds), e.g. one per batch_size."""
+        parts = [f"{k}={swept_value(job, k)}" for k in swept
+                 if k not in NOT_A_SERIES and k.split(".")[0] not in SERIES_ONLY]
+        return "allreduce baseline" + (f" ({', '.join(parts)})" if parts else "")
+
+    def draw_baselines(self, ax, key: str) -> list[float]:
+        """The allreduce baseline's figure, one dashed curve per baseline_label. Returns what it drew."""
+        drawn: list[float] = []
+        curves = points_by_series(self.ok, self.swept, key, self.baseline_label)
+        for i, (label, per_ranks) in enumerate(curves.items()):
+            drawn += self.draw_series(ax, label, per_ranks, several="mean over its jobs", ls=["--", "-.", ":"][i % 3],
+                                      marker="s",
+                                      color=str(round(0.2 + 0.5 * i / max(1, len(curves) - 1), 2)))
+        return drawn
 
     def time_source(self) -> str:
         """Where the plotted times come from (measured here, or modeled), for the title."""
@@ -482,18 +534,15 @@ class Plotter:
     def efficiency_plot(self, all_ranks: list[int]) -> None:
         fig = self.figure()
         ax = fig.add_subplot()
-        series = efficiency_series(self.ok, self.swept)
-        for label, (points, suffix) in series.items():
-            self.draw_series(ax, label, points, suffix)
-        drawn = bool(series)
-        base = self.baseline("baseline_scaling_efficiency")
-        if base:
-            ax.plot(list(base), list(base.values()), ls="--", marker="s", color="0.4", label="allreduce baseline")
+        values: list[float] = []
+        for label, (points, suffix) in efficiency_series(self.ok, self.swept).items():
+            values += self.draw_series(ax, label, points, suffix)
+        drawn = bool(values)
+        base = self.draw_baselines(ax, "baseline_scaling_efficiency")
         ax.axhline(1.0, ls=":", color="black", label="ideal (linear scaling)")
         ax.set_ylabel("scaling efficiency (1 = linear)")
         # Headroom above the ideal line so neither it nor points at 1 hide under the frame or legend.
-        highest = max([1.0, *base.values(), *(v for pts, _ in series.values() for vs in pts.values() for v in vs)])
-        ax.set_ylim(0, highest * 1.25)
+        ax.set_ylim(0, max([1.0, *base, *values]) * 1.25)
         self.rank_axis(ax, all_ranks)
         ax.set_title(f"Scaling efficiency{self.time_source()}: throughput / (ranks × single-rank throughput)",
                      fontsize=11)
@@ -507,12 +556,8 @@ class Plotter:
         ax = fig.add_subplot()
         values = []
         for label, points in points_by_series(self.ok, self.swept, "throughput_samples_per_s").items():
-            self.draw_series(ax, label, points)
-            values += [v for vs in points.values() for v in vs]
-        base = self.baseline("baseline_throughput_samples_per_s")
-        if base:
-            ax.plot(list(base), list(base.values()), ls="--", marker="s", color="0.4", label="allreduce baseline")
-            values += list(base.values())
+            values += self.draw_series(ax, label, points)
+        values += self.draw_baselines(ax, "baseline_throughput_samples_per_s")
         if values and max(values) / max(min(values), 1e-12) >= 10:
             ax.set_yscale("log")
         ax.set_ylabel("throughput (samples/s, all ranks)")
@@ -596,6 +641,36 @@ class Plotter:
         self.save(fig, "consensus_distance.png")
 
 
+    def bytes_plot(self) -> None:
+        """Held-out accuracy against the bytes each rank has sent (metrics.jsonl's bytes_sent, log scale):
+        what a compressed or less frequent exchange buys for what it sends."""
+        fig = self.figure()
+        ax = fig.add_subplot()
+        silent, drawn = [], 0
+        for i, job in enumerate(self.ok):
+            pts = [(b, a) for b, a in curve(job.records, "bytes_sent", "accuracy") if b > 0]
+            if not pts:
+                if curve(job.records, "bytes_sent", "accuracy"):
+                    silent.append(job_label(job, self.swept))  # one rank: nothing to send
+                continue
+            color = self.colors.get(series_label(job, self.swept))
+            ax.plot(*zip(*pts), marker=".", ms=3, lw=1.2, ls=["-", "--", "-.", ":"][i % 4], color=color,
+                    label=job_label(job, self.swept))
+            ax.plot(*pts[-1], marker="o", ms=6, color=color)  # where the run ended
+            drawn += 1
+        if not drawn:
+            self.notes.append("No accuracy-vs-bytes plot: no completed job logged bytes_sent above 0.")
+            return
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes sent per rank (cumulative, compressed as sent)")
+        ax.set_ylabel("held-out accuracy (fraction, mean over ranks)")
+        ax.set_title("Accuracy vs bytes sent (log scale); a dot marks each run's end")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        self.footnote(fig, "Not drawn (sent nothing): " + "; ".join(silent[:4]) if silent else "")
+        self.save(fig, "accuracy_vs_bytes.png")
+
+
 def draw_plots(out: Path, jobs: list[Job], swept: list[str]) -> tuple[list[Path], list[str]]:
     """Every plot the jobs allow; returns the files written and notes on what was not drawn."""
     plotter = Plotter(out, jobs, swept)
@@ -604,6 +679,7 @@ def draw_plots(out: Path, jobs: list[Job], swept: list[str]) -> tuple[list[Path]
     plotter.scaling_plots()
     plotter.training_plots()
     plotter.consensus_plot()
+    plotter.bytes_plot()
     if plotter.left_out:
         plotter.notes.append(f"{len(plotter.left_out)} failed or diverged job(s) are in the table but not in the plots.")
     return plotter.written, plotter.notes

@@ -1,7 +1,9 @@
-"""Results files: written atomically so a crash never leaves half a file.
+"""The run folder's format, both ways: file names, the summary's fields, atomic writes, reading back.
 
 summary.json is replaced in one rename; metrics.jsonl grows one whole line
-per write, and readers skip a torn last line.
+per write, and readers skip a torn last line. The summary's identity and its
+one list of figures (with units in their names) live here; the report, the
+console table and the driver's progress read them from here.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 SUMMARY = "summary.json"
@@ -19,15 +22,102 @@ CONFIG = "config.yaml"
 ERRORS_DIR = "errors"
 LOGS_DIR = "logs"
 
+# What a job is: every summary carries these, also one written for a job no rank finished.
+IDENTITY = ("algorithm", "topology", "ranks", "engine", "seed", "model", "dataset", "batch_size", "lr")
+STATUSES = ("completed", "failed", "diverged", "interrupted")
 
-def _clean(value: Any) -> Any:
+
+@dataclass(frozen=True)
+class Field:
+    """One figure of a summary: its key (unit in the name), a short header, a label, where it shows."""
+
+    key: str
+    short: str
+    label: str
+    console: bool = True  # in the sweep's console table (width is scarce)
+    job_table: bool = True  # in the table printed at the end of one job
+    # A scaling figure: the summary's top level takes it from the measured or the modeled set, as time_source says.
+    headline: bool = False
+    # Set on the two ends of a figure's interval: the figure they bound (tables fold them into its cell).
+    bound_of: str | None = None
+
+
+LOW, HIGH = "_low", "_high"
+
+
+def low_key(key: str) -> str:
+    return key + LOW
+
+
+def high_key(key: str) -> str:
+    return key + HIGH
+
+
+def spread(figure: Field) -> tuple[Field, Field, Field]:
+    """A figure and the two ends of its interval, ``<key>_low`` and ``<key>_high``, defined beside it.
+
+    The interval is what the figure's per-step samples allow (bfexp.scaling):
+    the point lies inside it; a modeled figure's comes from its inputs'.
+    """
+    ends = [
+        Field(name(figure.key), f"{figure.short} {end}", f"{figure.label}, {end} end", console=False, job_table=False,
+              headline=figure.headline, bound_of=figure.key)
+        for name, end in ((low_key, "low"), (high_key, "high"))
+    ]
+    return (figure, *ends)
+
+
+# The summary's figures, in the order tables show them; each timing figure carries its interval.
+FIELDS = (
+    Field("status", "status", "status"),
+    Field("final_loss", "loss", "loss"),
+    Field("final_accuracy", "acc", "accuracy"),
+    Field("consensus_distance", "consensus", "consensus distance"),
+    # Mean over ranks of the bytes one training step put on the wire, compressed as sent (Engine.bytes_sent).
+    Field("bytes_sent_per_step", "bytes/step", "bytes sent per step (per rank)"),
+    *spread(Field("step_time_s", "step s", "step time (s, median)", console=False, headline=True)),
+    *spread(Field("throughput_samples_per_s", "samples/s", "throughput (samples/s)", headline=True)),
+    *spread(Field("single_rank_throughput_samples_per_s", "1-rank samples/s", "single-rank throughput (samples/s)",
+                  False, False, headline=True)),
+    *spread(Field("scaling_efficiency", "efficiency", "scaling efficiency", headline=True)),
+    *spread(Field("baseline_throughput_samples_per_s", "base samples/s", "baseline throughput (samples/s)", False, False,
+                  headline=True)),
+    *spread(Field("baseline_scaling_efficiency", "base eff", "baseline scaling efficiency", False, False, headline=True)),
+    *spread(Field("speedup_vs_baseline", "speedup", "speedup vs allreduce", headline=True)),
+    *spread(Field("comm_time_s", "comm s", "communication (s/step)", False, False, headline=True)),
+    *spread(Field("compute_time_s", "compute s", "compute (s/step)", False, False, headline=True)),
+    *spread(Field("wait_time_s", "wait s", "waiting for peers (s/step)", False, False, headline=True)),
+    *spread(Field("framework_overhead_fraction", "overhead", "framework overhead (1 rank)", console=False)),
+    Field("reference_source", "reference", "single-rank reference", console=False),
+    Field("time_source", "time", "scaling figures"),
+    Field("wall_time_s", "wall s", "wall time (s)", console=False),
+)
+FIELD = {f.key: f for f in FIELDS}
+# The scaling figures a summary headlines, with their intervals; `time_source` says whether they are measured or modeled.
+HEADLINE = tuple(f.key for f in FIELDS if f.headline)
+# figure -> (low key, high key), for every figure with an interval.
+INTERVALS = {key: (low_key(key), high_key(key)) for key in dict.fromkeys(f.bound_of for f in FIELDS if f.bound_of)}
+# Where a summary's scaling figures come from: timed on real ranks here, priced by bfexp.costmodel,
+# or timed on virtual ranks standing in for real ones.
+TIME_SOURCES = ("measured", "modeled", "simulated")
+
+
+def identity(**values: Any) -> dict:
+    """A summary's identity block, in IDENTITY's order; every key must be given."""
+    missing = [k for k in IDENTITY if k not in values]
+    if missing:
+        raise TypeError(f"identity() lacks {missing}")
+    return {k: values[k] for k in IDENTITY}
+
+
+def clean(value: Any) -> Any:
     """JSON has no NaN/inf: write them as null so every reader can parse the file."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [clean(v) for v in value]
     return value
 
 
@@ -48,7 +138,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(_clean(obj), indent=2, sort_keys=True) + "\n")
+    write_text_atomic(path, json.dumps(clean(obj), indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: str | os.PathLike) -> dict | None:
@@ -61,7 +151,7 @@ def read_json(path: str | os.PathLike) -> dict | None:
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     """One os.write of one whole line: a reader never sees a record split across writes."""
-    line = (json.dumps(_clean(record), sort_keys=True) + "\n").encode()
+    line = (json.dumps(clean(record), sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)

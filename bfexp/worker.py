@@ -1,18 +1,28 @@
 """What every rank runs: `python -m mpi4py -m bfexp.worker RUN_DIR`.
 
 Workers are not Hydra apps: they read the resolved config the driver wrote
-into RUN_DIR, so every rank agrees on one directory. `train` is engine-
-agnostic (virtual ranks call it from threads): it touches no global RNG and
-no process-wide state beyond what the caller set up.
+into RUN_DIR, so every rank agrees on one directory. Everything here is
+engine-agnostic (virtual ranks call it from threads): it touches no global
+RNG and no process-wide state beyond what the caller set up.
+
+Top to bottom: ``build`` makes a rank's components from the config (a column
+of builds, one per group); ``train_step`` is THE training step, which the
+loop and every probe (bfexp.probes) run; ``train`` is the loop, which
+resumes from and writes checkpoints and stops where the ranks agree to
+(bfexp.checkpoint); the three kinds of job (train; throughput-only on
+ranks; modeled, with no ranks) are dispatched in one place, ``JOBS``, and
+every rank's heartbeat feeds the driver's hang watchdog (bfexp.watchdog).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,27 +30,101 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from bfexp import results
-from bfexp.algorithms import build_algorithm, resolve_topology
+from bfexp import checkpoint, config, costmodel, probes, results, scaling, watchdog
+from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.comm.engine import Engine
-from bfexp.data import BatchSampler, load_rank_data
-from bfexp.metrics import StepTimer, consensus_distance, evaluate, global_mean
-from bfexp.models import build_model
+from bfexp.data import BatchSampler, RankData
+from bfexp.metrics import StepTimer, consensus_distance, evaluate, gather_floats, global_mean
+from bfexp.models import build_model, parameter_count, sample_shape
 from bfexp.timeline import Timeline, span
-from bfexp.topology import build_topology
+from bfexp.topology import Topology, build_topology
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BASELINE = "allreduce"
+# The graph of a 1-rank world (every graph is W = [1] there): the single-rank reference's topology.
+ONE_RANK = {"_target_": "bfexp.topology.FullyConnected"}
 
 
-def make_local_optimizer(cfg: Any, params) -> torch.optim.Optimizer:
-    o = cfg.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
-    if o.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    raise ValueError(f"optimizer.name={o.name!r}; allowed: sgd, adam, adamw")
+# ---------------------------------------------------------------- THE step
+
+
+def train_step(net: torch.nn.Module | None, optimizer: Any, x: torch.Tensor | None, y: torch.Tensor | None,
+               dtype: torch.dtype | None, timeline: Timeline | None = None) -> torch.Tensor | None:
+    """One training step: zero_grad, forward (inputs cast to the model's dtype), loss, backward, step.
+
+    ``x=None`` runs ``step()`` alone on the gradients already set: the
+    communication probe of throughput-only jobs. Returns the loss (None then).
+    """
+    if x is None:
+        optimizer.step()
+        return None
+    optimizer.zero_grad()
+    with span(timeline, "forward"):
+        loss = F.cross_entropy(net(x.to(dtype)).float(), y)
+    with span(timeline, "backward"):
+        loss.backward()
+    with span(timeline, "step"):
+        optimizer.step()
+    return loss
+
+
+# ---------------------------------------------------------------- building a rank's components
+
+
+@dataclass
+class Built:
+    """One rank's components for a job, built from the config."""
+
+    topology: Topology  # what the algorithm runs on (exact diffusion may substitute an undirected form)
+    data: RankData
+    model: torch.nn.Module
+    optimizer: Any  # the algorithm wrapping the local optimizer
+    net: torch.nn.Module  # what forward is called on (ddp: its wrapper)
+    make_model: Callable[[], torch.nn.Module]  # a fresh copy of the architecture, for probes
+    make_optimizer: Callable[[Any], torch.optim.Optimizer]  # the local optimizer on given parameters
+    in_shape: tuple[int, ...]
+    classes: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def rank_topology(cfg: Any, size: int, ranks_per_machine: int | None = None) -> Topology:
+    """The topology the algorithm's rule runs on (exact diffusion: exp2 -> its undirected form),
+    on the machines the ranks run on (``ranks_per_machine``: the engine's layout; None: the config's)."""
+    rpm = cfg.engine.ranks_per_machine if ranks_per_machine is None else ranks_per_machine
+    topology = build_topology(cfg.topology, size, rpm)
+    algorithm = config.target_of(cfg.algorithm, "algorithm")
+    return algorithm.resolve_topology(topology)[0]
+
+
+def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
+    """A rank's topology, data shard, model, local optimizer and algorithm, as the config names them.
+
+    ``with_data=False`` (throughput-only) sizes the model from the declared
+    sample shape and loads no data.
+    """
+    dtype = DTYPES[cfg.dtype]
+    topology = rank_topology(cfg, engine.size, layout_ranks_per_machine(engine))
+    engine.set_topology(topology)
+    dataset = config.build(cfg.dataset, "dataset")
+    if with_data:
+        data = dataset.load(engine.rank, engine.size, cfg.seed)
+        in_shape, classes = tuple(data.train_x.shape[1:]), data.classes
+    else:
+        data = None
+        in_shape, classes = sample_shape(cfg.model, dataset)
+    device = getattr(engine, "device", None) or torch.device("cpu")  # GPU engines name the rank's device
+
+    def make_model() -> torch.nn.Module:
+        return build_model(cfg.model, in_shape, classes, cfg.seed, dtype).to(device)
+
+    def make_optimizer(params: Any) -> torch.optim.Optimizer:
+        return config.build(cfg.optimizer, "optimizer")(params)
+
+    model = make_model()
+    optimizer = config.build(cfg.algorithm, "algorithm")(make_optimizer(model.parameters()), engine, topology, model=model)
+    net = optimizer.module if optimizer.module is not None else model  # ddp: the DDP wrapper
+    return Built(topology, data, model, optimizer, net, make_model, make_optimizer, in_shape, classes, dtype, device)
 
 
 def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
@@ -51,62 +135,96 @@ def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
     return int(cfg.epochs) * per_epoch
 
 
-def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], None] | None = None) -> dict:
-    """Train one rank's model; rank 0 writes metrics.jsonl and summary.json. Returns the summary.
+def job_identity(cfg: Any, **actual: Any) -> dict:
+    """The summary's identity for this config; ``actual`` overrides what the run really used."""
+    values = {
+        "algorithm": config.label(cfg.algorithm),
+        "topology": config.label(cfg.topology),
+        "ranks": cfg.ranks,
+        "engine": cfg.engine.name,
+        "seed": cfg.seed,
+        "model": config.label(cfg.model),
+        "dataset": config.label(cfg.dataset),
+        "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
+    }
+    values.update(actual)
+    return results.identity(**values)
 
-    ``inspect`` (for tests comparing engines rank by rank) gets this rank's
-    last mini-batch loss and final parameters when training ends.
-    """
+
+def is_baseline(cfg: Any) -> bool:
+    return config.label(cfg.algorithm) == BASELINE
+
+
+# ---------------------------------------------------------------- the training loop
+
+
+@dataclass
+class Trained:
+    """What a rank's training left: the summary, its last mini-batch loss and final parameters."""
+
+    summary: dict
+    loss: float | None
+    parameters: torch.Tensor
+
+
+def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
+    """Train one rank's model; rank 0 writes metrics.jsonl and summary.json."""
     rank, size = engine.rank, engine.size
     started = time.perf_counter()
-    if cfg.engine.get("timeline", False) and engine.timeline is None:  # Chrome trace per rank (Perfetto)
-        engine.timeline = Timeline(run_dir / "timeline" / f"rank{rank}.json", rank)
-    if cfg.get("throughput_only", False):  # no training: time communication, model the rest
-        from bfexp.scaling import throughput_only_ranks
-
-        return throughput_only_ranks(cfg, engine, run_dir)
-    dtype = DTYPES[cfg.dtype]
-    topology = build_topology(cfg.topology, size, cfg.engine.ranks_per_machine)
-    # The topology the algorithm's rule runs on (exact diffusion: exp2 -> its undirected form).
-    topology, _ = resolve_topology(cfg.algorithm, topology)
-    engine.set_topology(topology)
-    data = load_rank_data(cfg.dataset, rank, size, cfg.seed)
-    # GPU engines (nccl) name the rank's device; CPU engines have none.
-    device = getattr(engine, "device", None) or torch.device("cpu")
-    model = build_model(cfg.model, data.in_features, data.classes, cfg.seed, dtype, in_shape=tuple(data.train_x.shape[1:])).to(device)
-    optimizer = build_algorithm(cfg.algorithm, make_local_optimizer(cfg, model.parameters()), engine, topology, model=model)
-    net = optimizer.module if optimizer.module is not None else model  # ddp: the DDP wrapper
+    job = build(cfg, engine)
+    optimizer, data = job.optimizer, job.data
     sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
     steps = total_steps(cfg, data.global_train_size, size)
-    timer = StepTimer(warmup=min(3, steps // 4))
-    test_x, test_y = data.test_x.to(device, dtype), data.test_y.to(device)
+    timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
+    # The single-rank reference: from the cache, or measured in rounds between the timed training steps.
+    single = reference(cfg, engine, job, BatchSampler(data, cfg.batch_size, cfg.seed + 1, rank).next,
+                       steps=steps, first=timer.warmup + 1)
+    test_x, test_y = data.test_x.to(job.device, job.dtype), data.test_y.to(job.device)
     metrics_path = run_dir / results.METRICS
     status, error = "completed", None
-    record: dict = {}
-    interval_loss, interval_n = 0.0, 0
+    loss = None
+    # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
+    # loop's own state: the logging window's sums, the last record, the bytes this rank's training
+    # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
+    checkpoints = checkpoint.Checkpointer(cfg, engine, run_dir)
+    resumed = checkpoints.restore(job.model, optimizer, sampler)
+    interval_loss, interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
+    record: dict = resumed.get("record", {})
+    bytes_sent = resumed.get("bytes_sent", 0)
+    elapsed_before = resumed.get("elapsed_s", 0.0)
 
-    for step in range(1, steps + 1):
-        if cfg.fail_rank == rank and step == cfg.fail_step:
-            raise RuntimeError(f"injected failure (fail_rank={rank}, fail_step={step})")
+    def loop_state() -> dict:
+        return {"interval_loss": interval_loss, "interval_n": interval_n, "record": record, "bytes_sent": bytes_sent,
+                "elapsed_s": elapsed_before + time.perf_counter() - started}
+
+    def stopped(at: int) -> str:
+        return f"stopped at step {at} ({checkpoint.stop_reason(run_dir) or 'stop requested'}); checkpoint at step {at}"
+
+    step = resumed["step"]
+    for step in range(resumed["step"] + 1, steps + 1):
+        watchdog.at_step(cfg, engine, step)  # the heartbeat; an injected fault (fail_rank, fail_step, fail_mode)
         x, y = sampler.next()
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(job.device), y.to(job.device)
+        sent_before = engine.bytes_sent
         timer.start(engine)
-        optimizer.zero_grad()
-        with span(engine.timeline, "forward"):
-            loss = F.cross_entropy(net(x.to(dtype)).float(), y)
-        with span(engine.timeline, "backward"):
-            loss.backward()
-        with span(engine.timeline, "step"):
-            optimizer.step()
+        loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline)
         timer.stop(engine)
+        bytes_sent += engine.bytes_sent - sent_before
         interval_loss += float(loss.detach())
         interval_n += 1
+        single.after_step(step)
         if step % cfg.log_every and step != steps:
+            if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state()):  # checkpoint_every
+                status, error = "interrupted", stopped(step)
+                break
             continue
         optimizer.finish()
-        eval_loss, accuracy = evaluate(model, test_x, test_y)
-        train_loss, eval_loss, accuracy, step_time = global_mean(
-            engine, interval_loss / interval_n, eval_loss, accuracy, timer.take_window()
+        eval_loss, accuracy = evaluate(job.model, test_x, test_y)
+        # The stop flag travels with the metrics: every rank learns of a stop request at the same step.
+        train_loss, eval_loss, accuracy, step_time, mean_sent, stop = global_mean(
+            engine, interval_loss / interval_n, eval_loss, accuracy, timer.take_window(), float(bytes_sent),
+            checkpoints.stop_requested(),
         )
         interval_loss, interval_n = 0.0, 0
         record = {
@@ -117,32 +235,29 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
             "accuracy": accuracy,
             "consensus_distance": consensus_distance(engine, optimizer.evaluation_parameters()),
             "step_time_s": step_time,
-            "throughput_samples_per_s": size * sampler.batch_size / step_time if step_time > 0 else None,
-            "elapsed_s": time.perf_counter() - started,
+            "throughput_samples_per_s": scaling.throughput(size, sampler.batch_size, step_time),
+            "bytes_sent": mean_sent,
+            "elapsed_s": elapsed_before + time.perf_counter() - started,
         }
         if rank == 0:
             results.append_jsonl(metrics_path, record)
         if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
             status, error = "diverged", f"loss {train_loss:.4g} at step {step} (divergence_loss={cfg.divergence_loss:g})"
             break
+        if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state(), stop=stop > 0):
+            status, error = "interrupted", stopped(step)
+            break
 
     optimizer.finish()
-    if inspect is not None:
-        inspect({"rank": rank, "loss": float(loss.detach()), "parameters": optimizer.evaluation_parameters().detach().cpu().clone()})
-    step_time_s, comm_time_s = global_mean(engine, timer.mean_step_s, timer.comm_s / max(1, timer.timed_steps))
-    summary = {
-        "algorithm": cfg.algorithm.name,
-        "topology": cfg.topology.name,
+    parameters = optimizer.evaluation_parameters().detach().cpu().clone()
+    step_time_s, comm_time_s, bytes_per_step = global_mean(
+        engine, timer.mean_step_s, timer.mean_blocked_s, bytes_sent / max(1, timer.steps))
+    uses_topology = type(optimizer).uses_topology
+    summary = job_identity(cfg, ranks=size, engine=engine.name, batch_size=sampler.batch_size)
+    summary.update({
         # What the algorithm really ran on (exact diffusion may substitute an undirected form).
-        "topology_used": topology.label if optimizer.uses_topology else None,
-        "topology_weights": topology.weight_scheme if optimizer.uses_topology else None,
-        "ranks": size,
-        "engine": engine.name,
-        "seed": cfg.seed,
-        "model": cfg.model.name,
-        "dataset": cfg.dataset.name,
-        "batch_size": sampler.batch_size,
-        "lr": cfg.lr,
+        "topology_used": job.topology.label if uses_topology else None,
+        "topology_weights": job.topology.weight_scheme if uses_topology else None,
         "status": status,
         "error": error,
         "final_loss": record.get("loss"),
@@ -153,36 +268,313 @@ def train(cfg: Any, engine: Engine, run_dir: Path, inspect: Callable[[dict], Non
         "epochs": record.get("epoch"),
         "step_time_s": step_time_s,
         "comm_time_s": comm_time_s,
-        "throughput_samples_per_s": size * sampler.batch_size / step_time_s if step_time_s > 0 else None,
-    }
-    # Scaling: compute/comm/wait split, single-rank reference, allreduce baseline probe, cost model.
-    from bfexp.scaling import job_figures
-
-    probe_sampler = BatchSampler(data, cfg.batch_size, cfg.seed + 1, rank)
-    model_device = next(model.parameters()).device
-
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        bx, by = probe_sampler.next()
-        return bx.to(model_device), by.to(model_device)
-
-    def make_model() -> torch.nn.Module:  # a fresh copy of the architecture for the probes
-        return build_model(
-            cfg.model, data.in_features, data.classes, cfg.seed, dtype, in_shape=tuple(data.train_x.shape[1:])
-        ).to(model_device)
-
-    summary.update(job_figures(
-        cfg, engine, model=model, make_model=make_model, algorithm=optimizer, topology=topology,
-        make_optimizer=lambda params: make_local_optimizer(cfg, params), next_batch=next_batch,
-        classes=data.classes, batch=sampler.batch_size,
-        step_s=timer.mean_step_s, blocked_s=timer.comm_s / max(1, timer.timed_steps),
-    ))
+        "throughput_samples_per_s": scaling.throughput(size, sampler.batch_size, step_time_s),
+        "bytes_sent_per_step": bytes_per_step,
+    })
+    if checkpoints.step:
+        summary["resumed_from_step"] = checkpoints.step
+    if status == "interrupted":  # stopped to be resumed: the run that finishes it measures the figures
+        summary["checkpoint_step"] = step
+    else:
+        summary.update(job_figures(cfg, engine, job, sampler.batch_size, timer, single.finish()))
     optimizer.close()
     summary["wall_time_s"] = time.perf_counter() - started
     if rank == 0:
         results.write_json_atomic(run_dir / results.SUMMARY, summary)
-    if engine.timeline is not None:
-        engine.timeline.save()
+    return Trained(summary, float(loss.detach()) if loss is not None else None, parameters)
+
+
+# ---------------------------------------------------------------- scaling figures of a job
+
+
+def component(node: Any) -> dict:
+    """A component node as plain data (its options and target): part of the reference's key."""
+    return config.node_options(node) | {"_target_": str(node._target_)}
+
+
+def one_rank(cfg: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict]:
+    """The job's step on ONE rank with communication removed: the same algorithm wrapper on a
+    1-rank engine, where every op takes the engine's single-rank path.
+
+    A 1-rank job uses its own engine, so it is its own reference; a larger one
+    a virtual 1-rank world. An algorithm that cannot run on virtual ranks (ddp:
+    torch.distributed already spans the job's ranks) is timed there with the
+    allreduce wrapper, which averages gradients as it does. Returns the factory
+    and the node of the wrapper it times (part of the reference's key).
+    """
+    from bfexp.comm.threads import ThreadsEngine, ThreadWorld
+
+    node = cfg.algorithm
+    if engine.size > 1:
+        try:
+            config.target_of(node, "algorithm").check_run(ThreadsEngine, throughput_only=False, modeled=False)
+        except config.ConfigError:
+            shared = [k for k, p in inspect.signature(DecentralizedOptimizer.__init__).parameters.items()
+                      if p.kind is p.KEYWORD_ONLY and k != "model"]
+            node = OmegaConf.create({"_target_": f"{Allreduce.__module__}.{Allreduce.__qualname__}", "_partial_": True,
+                                     **{k: v for k, v in config.node_options(node).items() if k in shared}})
+
+    def make() -> tuple[torch.nn.Module, Any]:
+        one = engine if engine.size == 1 else ThreadsEngine(ThreadWorld(1), 0)
+        model = job.make_model()
+        wrapper = config.build(node, "algorithm")(job.make_optimizer(model.parameters()), one,
+                                                  build_topology(OmegaConf.create(ONE_RANK), 1), model=model)
+        return (wrapper.module if wrapper.module is not None else model), wrapper
+
+    return make, component(node)
+
+
+def reference(cfg: Any, engine: Engine, job: Built, batches: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+              steps: int = 0, first: int = 1) -> probes.SingleRankReference:
+    """This job's single-rank reference, started (rank 0 has looked in the cache); measured rounds go
+    between training steps ``first`` to ``steps``, the rest at ``finish``. ``batches`` gives a new
+    mini-batch per call, as training's sampler does. Collective."""
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        bx, by = batches()
+        return bx.to(job.device), by.to(job.device)
+
+    x, _ = next_batch()
+    alone, wrapper = one_rank(cfg, engine, job)
+    threads = scaling.reference_threads(cfg.scaling.reference_threads, scaling.processor_count())
+    key = probes.reference_key(
+        model=component(cfg.model), optimizer=component(cfg.optimizer), wrapper=wrapper, sample_shape=job.in_shape,
+        classes=job.classes, batch=x.shape[0], dtype=cfg.dtype, device=probes.device_name(x.device), threads=threads,
+    )
+
+    def plain() -> tuple[torch.nn.Module, Any]:  # a plain torch loop: the bare optimizer, no wrapper
+        model = job.make_model()
+        return model, job.make_optimizer(model.parameters())
+
+    single = probes.SingleRankReference(
+        engine, train_step, alone=alone, plain=plain, next_batch=next_batch, key=key,
+        directory=probes.cache_dir(cfg.scaling.reference_cache), policy=str(cfg.scaling.reference),
+        margin=float(cfg.scaling.reference_load_margin), rounds=int(cfg.scaling.reference_steps), threads=threads,
+        steps=steps, first=first, job_alone=engine.size == 1,
+    )
+    single.start()
+    return single
+
+
+def reference_fields(single: dict) -> dict:
+    """The summary's reference: the whole record, where it came from, and the framework overhead it measured."""
+    out = {"reference": single, "reference_source": single["source"]}
+    scaling.put(out, "framework_overhead_fraction", scaling.get(single, "framework_overhead_fraction"))
+    return out
+
+
+def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, topology: Topology,
+                  speed: scaling.Spread | None, source: str, ranks_per_machine: int = 0) -> dict | None:
+    """The cost model's figures for this job on the scaling config's cluster; None without a compute speed.
+    ``ranks_per_machine``: where the ranks ran, for a scaling config of this machine (modeled=false)
+    that leaves its machines to the run."""
+    if not speed:
+        return None
+    where = cfg.scaling
+    if ranks_per_machine and not cfg.scaling.modeled and not cfg.scaling.ranks_per_machine:
+        where = {**OmegaConf.to_container(cfg.scaling, resolve=True), "ranks_per_machine": ranks_per_machine}
+    algorithm = config.target_of(cfg.algorithm, "algorithm")
+    options = config.node_options(cfg.algorithm)
+
+    return scaling.modeled_figures(
+        scaling.cluster(where), traffic=algorithm.traffic_of(**options), baseline=Allreduce.traffic,
+        overlap=bool(options.get("overlap", True)), period=int(options.get("communication_period", 1)),
+        ranks=ranks, batch=int(cfg.batch_size), param_count=param_count, element_bytes=element_bytes,
+        topology=topology, backward_fraction=float(cfg.scaling.backward_fraction),
+        single=speed, compute_source=source,
+    )
+
+
+def compute_speed(cfg: Any, measured: scaling.Spread | None) -> tuple[scaling.Spread | None, str]:
+    """One rank's samples/s for the cost model: the scaling config's declared figure, else the measured one."""
+    declared = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+    return (scaling.Spread.exact(declared), "declared") if declared else (measured, "measured here")
+
+
+def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTimer, single: dict) -> dict:
+    """Every scaling figure of a finished training job, each with its interval. Collective: every
+    rank calls it; rank 0 gets the full dict (the others get the measured part)."""
+    n = engine.size
+    timing = scaling.split_timing(*gather_floats(engine, *scaling.rank_timing(timer.step_samples, timer.blocked_samples)))
+    probe_sampler = BatchSampler(job.data, cfg.batch_size, cfg.seed + 1, engine.rank)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        bx, by = probe_sampler.next()
+        return bx.to(job.device), by.to(job.device)
+
+    own = is_baseline(cfg) or n == 1  # one rank: nothing to communicate, its own baseline
+    baseline_timing = timing if own else None
+    if not own and cfg.baseline_steps > 0:
+        probe = probes.baseline_probe(engine, train_step, job.make_model, job.make_optimizer, next_batch,
+                                      int(cfg.baseline_steps))
+        baseline_timing = scaling.split_timing(*gather_floats(engine, *probe))
+    single_step = scaling.get(single, "step_time_s")
+    measured = scaling.measured_figures(n, batch, timing, single_step, baseline_timing, own_baseline=own,
+                                        source=scaling.measured_source(virtual=engine.virtual))
+    if not is_baseline(cfg):
+        measured["baseline_steps"] = int(cfg.baseline_steps)
+    modeled = None
+    if engine.rank == 0:
+        params = list(job.model.parameters())
+        modeled = modeled_block(cfg, n, sum(p.numel() for p in params), params[0].element_size(), job.topology,
+                                *compute_speed(cfg, scaling.throughput_spread(1, batch, single_step)),
+                                layout_ranks_per_machine(engine))
+    out = scaling_block(cfg, engine, measured, modeled, throughput_only=False)
+    out.update(reference_fields(single))
+    return out
+
+
+def layout_ranks_per_machine(engine: Engine) -> int:
+    """The engine's machines as a ranks_per_machine setting (0: every rank on one machine)."""
+    return 0 if engine.local_size == engine.size else engine.local_size
+
+
+def machine_layout(cfg: Any, engine: Engine) -> dict:
+    """Where the ranks ran: machines, ranks on each, and how that was known (detected from
+    MPI's shared-memory split, emulated with engine.ranks_per_machine, or threads of one process)."""
+    source = getattr(engine, "layout_source", "emulated" if cfg.engine.ranks_per_machine else "one process")
+    return {"run_machines": engine.machines, "run_ranks_per_machine": engine.local_size, "machine_layout": source}
+
+
+def scaling_block(cfg: Any, engine: Engine | None, measured: dict | None, modeled: dict | None, *,
+                  throughput_only: bool) -> dict:
+    """The summary's scaling part: headline figures, their source, the cluster and the contention note."""
+    virtual = bool(engine is not None and engine.virtual)
+    source = scaling.time_source(virtual=virtual, modeled_cluster=bool(cfg.scaling.modeled),
+                                 throughput_only=throughput_only)
+    out = scaling.headline(measured, modeled, source)
+    out["scaling"] = str(cfg.scaling.name)
+    if engine is not None:
+        out.update(machine_layout(cfg, engine))
+        cores = scaling.processor_count()
+        out["cores"] = cores
+        out["contention"] = scaling.contention_note(engine.size, cores, engine.device_type == "cpu")
+    else:
+        out["contention"] = None
+    return out
+
+
+# ---------------------------------------------------------------- throughput-only jobs
+
+
+def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
+    """Throughput-only on real (or virtual) ranks here: no training. The ranks time the
+    algorithm's step and the baseline's on buffers of the model's real size with zero
+    gradients (so only the local update and the communication run); compute comes
+    from the declared speed or the single-rank reference; the model prices the rest."""
+    started = time.perf_counter()
+    n, batch = engine.size, int(cfg.batch_size)
+    job = build(cfg, engine, with_data=False)
+    steps = max(1, int(cfg.baseline_steps) or 10)
+    options = config.node_options(cfg.algorithm)
+    own = scaling.split_timing(*gather_floats(engine, *probes.communication_probe(engine, train_step, job.optimizer, steps)))
+    base = None
+    if not is_baseline(cfg) and n > 1:
+        fresh = job.make_model()
+        baseline = Allreduce(job.make_optimizer(fresh.parameters()), engine)
+        base = scaling.split_timing(*gather_floats(engine, *probes.communication_probe(engine, train_step, baseline, steps)))
+    declared = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+    if declared:
+        single: dict = {"source": "declared", "refreshed": None}
+        scaling.put(single, "step_time_s", scaling.Spread.exact(batch / declared))
+    else:
+        g = torch.Generator().manual_seed(cfg.seed)
+
+        def batches() -> tuple[torch.Tensor, torch.Tensor]:  # random samples of the declared shape
+            return (torch.randn(batch, *job.in_shape, generator=g, dtype=job.dtype),
+                    torch.randint(0, job.classes, (batch,), generator=g))
+
+        single = reference(cfg, engine, job, batches).finish()
+    compute = scaling.get(single, "step_time_s")
+    backward = float(cfg.scaling.backward_fraction)
+    own_m = scaling.exchange_step(own, compute=compute, backward_fraction=backward,
+                                  overlap=bool(options.get("overlap", True)), period=int(options.get("communication_period", 1)))
+    if base is not None:
+        base_m = scaling.exchange_step(base, compute=compute, backward_fraction=backward, overlap=True, period=1)
+    else:
+        base_m = own_m if is_baseline(cfg) else None
+    # The step is priced by the cost model from the measured exchange and compute: modeled.
+    measured = scaling.measured_figures(n, batch, own_m, compute, base_m, own_baseline=is_baseline(cfg), source="modeled")
+    measured["comm_measured_on"] = f"{n} {engine.name} ranks here, zero-gradient steps of the real model size"
+    modeled = None
+    if engine.rank == 0:
+        params = list(job.model.parameters())
+        modeled = modeled_block(cfg, n, sum(p.numel() for p in params), params[0].element_size(), job.topology,
+                                *compute_speed(cfg, scaling.throughput_spread(1, batch, compute)),
+                                layout_ranks_per_machine(engine))
+    summary = job_identity(cfg, ranks=n, engine=engine.name, batch_size=batch)
+    summary.update({"status": "completed", "error": None, "throughput_only": True, "steps": 0})
+    summary.update(scaling_block(cfg, engine, measured, modeled, throughput_only=True))
+    summary.update(reference_fields(single))
+    summary["wall_time_s"] = time.perf_counter() - started
+    if engine.rank == 0:
+        results.write_json_atomic(run_dir / results.SUMMARY, summary)
     return summary
+
+
+def modeled(cfg: Any, run_dir: Path) -> dict:
+    """Throughput-only on a modeled cluster: no ranks start. Parameter sizes come from
+    the model built on torch's meta device, compute speed from the scaling config."""
+    started = time.perf_counter()
+    ranks = int(cfg.ranks)
+    topology = build_topology(cfg.topology, ranks, topology_ranks_per_machine(cfg))
+    in_shape, classes = sample_shape(cfg.model, config.build(cfg.dataset, "dataset"))
+    speed = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+    if not speed:
+        raise config.ConfigError(scaling.missing_speed_message(cfg.scaling, config.label(cfg.model)))
+    count = parameter_count(cfg.model, in_shape, classes)
+    summary = job_identity(cfg, topology=topology.name, engine="cost model", batch_size=int(cfg.batch_size))
+    summary.update({"status": "completed", "error": None, "throughput_only": True, "steps": 0})
+    summary.update(scaling_block(
+        cfg, None, None,
+        modeled_block(cfg, ranks, count, DTYPES[cfg.dtype].itemsize, topology, scaling.Spread.exact(speed), "declared"),
+        throughput_only=True,
+    ))
+    summary["wall_time_s"] = time.perf_counter() - started
+    results.write_json_atomic(run_dir / results.SUMMARY, summary)
+    return summary
+
+
+# ---------------------------------------------------------------- the kinds of job, in one place
+
+# kind -> what a rank runs for it (None: no rank starts; the driver calls `modeled`).
+JOBS: dict[str, Callable[[Any, Engine, Path], Any] | None] = {"train": train, "throughput": throughput_only, "modeled": None}
+
+
+def job_kind(cfg: Any) -> str:
+    """train; throughput (throughput-only timed on ranks here); modeled (a cluster that is not here: no ranks)."""
+    if not cfg.throughput_only:
+        return "train"
+    return "modeled" if cfg.scaling.modeled else "throughput"
+
+
+def topology_ranks_per_machine(cfg: Any) -> int:
+    """How ranks sit on machines for the topology: the engine's layout, and for a modeled
+    cluster the scaling config's machines (0 = one machine)."""
+    rpm = int(cfg.engine.ranks_per_machine)
+    if job_kind(cfg) == "modeled":
+        rpm = rpm or int(cfg.scaling.ranks_per_machine)
+        return 0 if rpm >= int(cfg.ranks) else rpm
+    return rpm
+
+
+def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
+    """What one rank does for a job (every engine's ranks come here)."""
+    if cfg.engine.get("timeline", False) and engine.timeline is None:  # Chrome trace per rank (Perfetto)
+        engine.timeline = Timeline(run_dir / "timeline" / f"rank{engine.rank}.json", engine.rank)
+    timeout = float(cfg.get("timeout_s", 0) or 0)  # the driver's hang watchdog reads the heartbeat
+    heartbeat = watchdog.Heartbeat(engine, run_dir, period_s=min(1.0, timeout / 4) if timeout else 1.0)
+    try:
+        runner = JOBS[job_kind(cfg)]
+        assert runner is not None, "modeled jobs start no rank"
+        return runner(cfg, engine, run_dir)
+    finally:
+        heartbeat.close()
+        if engine.timeline is not None:  # what happened, up to a failure too
+            engine.timeline.save()
+
+
+# ---------------------------------------------------------------- an MPI rank's process
 
 
 def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
@@ -211,28 +603,44 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
     os.close(fd)
 
 
+def engine_options(cfg: Any, engine_cls: type[Engine]) -> dict:
+    """The engine config's settings that the engine's constructor takes."""
+    params, _, _ = config.signature_schema(engine_cls)
+    return {k: v for k, v in OmegaConf.to_container(cfg.engine, resolve=True).items() if k in params}
+
+
 def main(argv: list[str] | None = None) -> None:
+    from bfexp.comm import engine_class
+
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
     cfg = OmegaConf.load(run_dir / results.CONFIG)
-    if cfg.engine.name == "nccl":  # one rank per GPU; NCCL's unique id travels over MPI
-        from bfexp.comm.nccl import NCCLEngine
-
-        engine = NCCLEngine(ranks_per_machine=cfg.engine.ranks_per_machine, check_neighbors=cfg.engine.check_neighbors)
-    else:
-        from bfexp.comm.mpi import MPIEngine
-
-        engine = MPIEngine(ranks_per_machine=cfg.engine.ranks_per_machine)
+    engine_cls = engine_class(cfg.engine.name)  # mpi, or nccl: one rank per GPU, its unique id over MPI
+    engine = engine_cls(**engine_options(cfg, engine_cls))
     _redirect_output(run_dir, engine.rank)
+    watchdog.enable_stack_dumps()  # the hang watchdog's SIGUSR2, and crashes: every thread's stack into the log
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        train(cfg, engine, run_dir)
+        run(cfg, engine, run_dir)
     except BaseException as exc:
-        record_failure(run_dir, engine.rank, exc)
-        if engine.timeline is not None:  # what happened up to the failure
-            engine.timeline.save()
+        try:
+            record_failure(run_dir, engine.rank, exc)
+        except OSError:  # e.g. the run folder's disk is full: the driver finds out from the exit
+            pass
         raise  # mpi4py's runner turns this into MPI_Abort: every rank ends
     engine.close()  # free windows and communicators before MPI finalizes
+    # Finalize MPI and leave without the interpreter's final garbage collection, which takes
+    # seconds with torch loaded: a stopped or finished job ends promptly.
+    import atexit
+
+    from mpi4py import MPI
+
+    atexit._run_exitfuncs()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

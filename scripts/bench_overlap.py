@@ -22,10 +22,11 @@ import subprocess
 import sys
 import time
 
+# (label, algorithm class path, its options); classes are imported on the ranks only.
 CONFIGS = [
-    ("dsgd", {"style": "atc"}),
-    ("dsgd", {"style": "awc"}),
-    ("allreduce", {}),
+    ("dsgd/atc", "bfexp.algorithms.DSGD", {"style": "atc"}),
+    ("dsgd/awc", "bfexp.algorithms.DSGD", {"style": "awc"}),
+    ("allreduce", "bfexp.algorithms.Allreduce", {}),
 ]
 
 
@@ -39,7 +40,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--features", type=int, default=512)
     p.add_argument("--hidden", default="1024,1024,1024,1024", help="hidden widths of the MLP")
     p.add_argument("--bucket-mb", type=float, default=4.0)
-    p.add_argument("--topology", default="exp2")
+    p.add_argument("--topology", default="Exp2", help="a class of bfexp.topology, built on the ranks")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -49,15 +50,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
+    from hydra.utils import get_class
     from torch import nn
 
-    from bfexp.algorithms import build_algorithm
+    import bfexp.topology
     from bfexp.comm.mpi import MPIEngine
-    from bfexp.topology import build_topology
 
     torch.set_num_threads(args.threads)
     engine = MPIEngine()
-    topology = build_topology({"name": args.topology}, engine.size)
+    topology = getattr(bfexp.topology, args.topology)(engine.size)
     widths = [args.features] + [int(h) for h in args.hidden.split(",")]
 
     def make_model() -> nn.Module:
@@ -77,11 +78,13 @@ def worker(args: argparse.Namespace) -> None:
     y = torch.randint(0, 10, (args.batch,), generator=g)
     times: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        for name, options in CONFIGS:
+        for base, target, options in CONFIGS:
+            algorithm = get_class(target)
+            used = algorithm.resolve_topology(topology)[0] if algorithm.uses_topology else None
             for overlap in (True, False):
                 model = make_model()
-                cfg = {"name": name, "overlap": overlap, "bucket_mb": args.bucket_mb, **options}
-                opt = build_algorithm(cfg, torch.optim.SGD(model.parameters(), lr=1e-3), engine, topology, model=model)
+                local = torch.optim.SGD(model.parameters(), lr=1e-3)
+                opt = algorithm(local, engine, used, model=model, overlap=overlap, bucket_mb=args.bucket_mb, **options)
                 for step in range(args.warmup + args.steps):
                     if step == args.warmup:
                         engine.barrier()
@@ -93,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
                 elapsed = (time.perf_counter() - t0) / args.steps
                 opt.close()
                 mean = engine.allreduce(torch.tensor([elapsed], dtype=torch.float64), op="avg")  # over ranks
-                label = f"{name}{'/' + options['style'] if 'style' in options else ''} overlap={'on' if overlap else 'off'}"
+                label = f"{base} overlap={'on' if overlap else 'off'}"
                 times.setdefault(label, []).append(float(mean))
     if engine.rank == 0:
         params = sum(p.numel() for p in make_model().parameters())
@@ -124,8 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"median over {args.repeats} rounds of {args.steps} steps:")
     print(f"{'algorithm':<16} {'overlap on (s)':>15} {'overlap off (s)':>16} {'on/off':>8}")
     rows = []
-    for name, options in CONFIGS:
-        base = f"{name}{'/' + options['style'] if 'style' in options else ''}"
+    for base, _, _ in CONFIGS:
         on, off = medians[f"{base} overlap=on"], medians[f"{base} overlap=off"]
         rows.append({"algorithm": base, "step_time_s_overlap_on": on, "step_time_s_overlap_off": off,
                      "ratio_on_off": on / off})

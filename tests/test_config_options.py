@@ -6,6 +6,8 @@ lands. EXTRA gives an option the context it needs to run small here.
 
 import importlib.util
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -21,9 +23,15 @@ EXTRA: dict[tuple[str, str], list[str]] = {
                             "baseline_steps=1", "scaling.reference_steps=1", "scaling.reference_cache=null"],
     ("dataset", "mnist"): ["dataset.root=${oc.env:BFEXP_TEST_MNIST}"],
     ("dataset", "cifar10"): ["dataset.root=${oc.env:BFEXP_TEST_CIFAR10}"],
+    # A graph file of the tests' own (2 ranks, one edge each way).
+    ("topology", "file"): [f"topology.path={Path(__file__).parent / 'topology' / 'data' / 'pair.edges'}"],
+    # mpirun over this machine, named as a host of two slots.
+    ("launcher", "mpirun"): ["launcher.hosts=localhost:2"],
 }
 # Options that cannot run here, with the reason (checked at collection time).
 UNAVAILABLE: dict[tuple[str, str], str] = {}
+if not os.environ.get("SLURM_JOB_ID"):
+    UNAVAILABLE[("launcher", "srun")] = "launcher=srun runs inside a Slurm allocation (tests/test_slurm.py runs it)"
 if importlib.util.find_spec("wandb") is None:
     UNAVAILABLE[("logger", "wandb")] = "wandb is an optional extra: pip install 'bfexp[wandb]'"
 
@@ -46,7 +54,7 @@ NEEDS_PROCESSES = {("algorithm", "ddp")}
 
 
 def engine_for(group: str, option: str) -> list[str]:
-    if group == "engine" or (group, option) in NEEDS_PROCESSES:
+    if group in ("engine", "launcher") or (group, option) in NEEDS_PROCESSES:
         return []
     return ["engine=threads"]
 

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from bfexp import costmodel
+from bfexp.algorithms import Allreduce, DSGD, ExactDiffusion, GradientTracking, PushSum
 from bfexp.costmodel import Cluster, Link
 from bfexp.topology import Exp2, InnerOuterExp2, OnePeerExp2
 
@@ -90,18 +91,81 @@ def test_inner_outer_exp2_sends_one_message_per_machine_across():
     assert close(worst, 1e-4 + 4 * M / 1e9 + 2 * M / R)
 
 
-def test_algorithm_patterns():
+def test_algorithm_traffic():
+    # each algorithm class states what one communicating step sends
     c = make(reduce=R)
     topo = OnePeerExp2(4)
     one = costmodel.neighbor_exchange_s(c, topo, M)
-    assert close(costmodel.communication_s(c, "dsgd", 4, M, topo), one)
-    assert close(costmodel.communication_s(c, "exact_diffusion", 4, M, topo), one)
+    assert close(costmodel.communication_s(c, DSGD.traffic, 4, M, topo), one)
+    assert close(costmodel.communication_s(c, ExactDiffusion.traffic, 4, M, topo), one)
     # gradient tracking moves x and y: two model-sized vectors per message
-    assert close(costmodel.communication_s(c, "gradient_tracking", 4, M, topo), costmodel.neighbor_exchange_s(c, topo, 2 * M))
+    assert close(costmodel.communication_s(c, GradientTracking.traffic, 4, M, topo), costmodel.neighbor_exchange_s(c, topo, 2 * M))
     # push-sum's weight travels with the data: one more element
-    assert close(costmodel.communication_s(c, "push_sum", 4, M, topo, 4), costmodel.neighbor_exchange_s(c, topo, M + 4))
-    assert close(costmodel.communication_s(c, "allreduce", 4, M), costmodel.ring_allreduce_s(c, 4, M))
-    assert costmodel.communication_s(c, "dsgd", 1, M, OnePeerExp2(1)) == 0.0
+    assert close(costmodel.communication_s(c, PushSum.traffic, 4, M, topo, 4), costmodel.neighbor_exchange_s(c, topo, M + 4))
+    assert close(costmodel.communication_s(c, Allreduce.traffic, 4, M), costmodel.ring_allreduce_s(c, 4, M))
+    assert costmodel.communication_s(c, DSGD.traffic, 1, M, OnePeerExp2(1)) == 0.0
+
+
+def test_compressed_messages_are_priced_as_they_travel():
+    # a model of D float32 elements; top-k 1%: k values of 4 bytes + k int32 indices
+    d = 250_000
+    top_k = costmodel.Traffic("neighbor", density=0.01, index_bits=32)
+    assert close(top_k.message_bytes(4 * d, 4), 0.01 * d * 8)
+    # QSGD at 4 bits plus its norm; sign at 1 bit plus its scale; bf16 at 2 bytes
+    assert close(costmodel.Traffic("neighbor", value_bits=4, scalars=1).message_bytes(4 * d, 4), d / 2 + 4)
+    assert close(costmodel.Traffic("neighbor", value_bits=1, scalars=1).message_bytes(4 * d, 4), d / 8 + 4)
+    assert close(costmodel.Traffic("neighbor", value_bits=16).message_bytes(4 * d, 4), 2 * d)
+    # the exchange carries the compressed message: exp2 over 8 ranks, 3 out of each, 4 to combine
+    c = make(reduce=R)
+    expected = 1e-5 + 3 * 0.01 * d * 8 / 1e10 + 4 * 0.01 * d * 8 / R
+    assert close(costmodel.communication_s(c, top_k, 8, 4 * d, Exp2(8)), expected)
+    with pytest.raises(ValueError, match="density"):
+        costmodel.Traffic("neighbor", density=0.0)
+
+
+def test_an_allgather_of_compressed_payloads():
+    # 4 ranks on 2 machines: n-1 = 3 steps, each paced by the slower hop; nothing reduced
+    expected = 3 * max(1e-5 + M / 1e10, 1e-4 + M / 1e9)
+    assert close(costmodel.ring_allgather_s(make(rpm=2, reduce=R), 4, M), expected)
+    traffic = costmodel.Traffic("allgather", density=0.01, index_bits=32)
+    msg = 0.01 * (M / 4) * 8
+    assert close(costmodel.communication_s(make(), traffic, 4, M), 3 * (1e-5 + msg / 1e10))
+
+
+def test_gossip_pga_prices_one_exact_average_every_h_exchanges():
+    c = make(reduce=R)
+    topo = OnePeerExp2(8)
+    gossip = costmodel.neighbor_exchange_s(c, topo, M)
+    average = costmodel.ring_allreduce_s(c, 8, M)
+    pga = costmodel.Traffic("neighbor", global_every=10)
+    assert close(costmodel.communication_s(c, pga, 8, M, topo), (9 * gossip + average) / 10)
+    assert close(costmodel.communication_s(c, costmodel.Traffic("neighbor", global_every=1), 8, M, topo), average)
+    # compressed gossip, uncompressed averages
+    both = costmodel.Traffic("neighbor", density=0.01, index_bits=32, global_every=4)
+    small = costmodel.neighbor_exchange_s(c, topo, 0.01 * (M / 4) * 8)
+    assert close(costmodel.communication_s(c, both, 8, M, topo, 4), (3 * small + average) / 4)
+
+
+def test_each_algorithm_states_its_traffic_with_its_options():
+    from bfexp.algorithms import ChocoSGD, CompressedAllreduce, DiLoCo, QGDSGDm, SlowMo
+
+    T = costmodel.Traffic
+    assert ChocoSGD.traffic_of(compressor="top_k") == T("neighbor", density=0.01, index_bits=32)
+    assert ChocoSGD.traffic_of(compressor={"_target_": "bfexp.compression.QSGD", "bits": 2},
+                               global_average_every=5) == T("neighbor", value_bits=2, scalars=1, global_every=5)
+    assert CompressedAllreduce.traffic_of(compressor="sign") == T("allgather", value_bits=1, scalars=1)
+    assert DSGD.traffic_of(global_average_every=10) == T("neighbor", global_every=10)
+    assert DSGD.traffic_of() == DSGD.traffic and Allreduce.traffic_of() == Allreduce.traffic
+    assert DiLoCo.traffic_of(average="allreduce") == T("allreduce")
+    assert DiLoCo.traffic_of(average="topology", global_average_every=3) == T("neighbor", global_every=3)
+    assert SlowMo.traffic_of(average="allreduce").kind == "allreduce" and QGDSGDm.traffic_of() == T("neighbor")
+
+
+def test_an_outer_period_spreads_its_exchange():
+    # DiLoCo syncing every 20 steps: one allreduce of the model, nothing hidden, a twentieth per step
+    comm = costmodel.ring_allreduce_s(make(reduce=R), 8, M)
+    est = costmodel.step_estimate(0.09, comm, overlap=False, period=20)
+    assert close(est.exposed_comm_s, comm / 20) and close(est.step_s, 0.09 + comm / 20)
 
 
 def test_overlap_and_local_sgd_period():
@@ -128,3 +192,13 @@ def test_bad_layouts_are_refused():
         make(rpm=8).local_size(12)
     with pytest.raises(ValueError, match="allowed: ring, hierarchical"):
         costmodel.allreduce_s(make(allreduce="tree"), 4, M)
+
+
+def test_the_cost_model_imports_neither_torch_nor_the_algorithms():
+    # algorithms import the cost model (their traffic), never the reverse; the driver prices jobs without torch
+    import subprocess
+    import sys
+
+    code = "import sys, bfexp.costmodel; print(sorted(m for m in sys.modules if m in ('torch', 'bfexp.algorithms')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
-
-from bfexp.data import BatchSampler, load_rank_data, partition
+from bfexp.data import CIFAR10, MNIST, BatchSampler, Dataset, Digits, Synthetic, partition
+from bfexp.errors import ConfigError, DatasetError
 
 
 @pytest.mark.parametrize("how", ["iid", "dirichlet", "sorted"])
@@ -25,11 +24,11 @@ def test_dirichlet_small_alpha_skews_labels():
 
 
 def test_synthetic_is_heterogeneous_and_deterministic():
-    cfg = OmegaConf.create(dict(name="synthetic", partition="iid", alpha=0.5, eval_samples=400,
-                                samples_per_rank=300, features=8, classes=2, heterogeneity=1.0, label_noise=0.0))
-    a0 = load_rank_data(cfg, 0, 4, seed=3)
-    a0_again = load_rank_data(cfg, 0, 4, seed=3)
-    a1 = load_rank_data(cfg, 1, 4, seed=3)
+    ds = Synthetic(partition="iid", alpha=0.5, eval_samples=400,
+                   samples_per_rank=300, features=8, classes=2, heterogeneity=1.0, label_noise=0.0)
+    a0 = ds.load(0, 4, seed=3)
+    a0_again = ds.load(0, 4, seed=3)
+    a1 = ds.load(1, 4, seed=3)
     assert np.array_equal(a0.train_x.numpy(), a0_again.train_x.numpy())
     assert np.array_equal(a0.test_x.numpy(), a1.test_x.numpy()), "every rank evaluates on one held-out set"
     # Different ranks draw from different input distributions (non-iid).
@@ -37,15 +36,14 @@ def test_synthetic_is_heterogeneous_and_deterministic():
 
 
 def test_digits_split_by_rank():
-    cfg = OmegaConf.create(dict(name="digits", partition="iid", alpha=0.5, eval_samples=0, test_fraction=0.2))
-    shards = [load_rank_data(cfg, r, 3, seed=0) for r in range(3)]
+    ds = Digits(partition="iid", alpha=0.5, eval_samples=0, test_fraction=0.2)
+    shards = [ds.load(r, 3, seed=0) for r in range(3)]
     assert sum(len(s.train_y) for s in shards) == shards[0].global_train_size == 1797 - 359
     assert shards[0].in_features == 64 and shards[0].classes == 10
 
 
 def test_sampler_reshuffles_each_epoch():
-    cfg = OmegaConf.create(dict(name="digits", partition="iid", alpha=0.5, eval_samples=0, test_fraction=0.2))
-    data = load_rank_data(cfg, 0, 4, seed=0)
+    data = Digits(partition="iid", alpha=0.5, eval_samples=0, test_fraction=0.2).load(0, 4, seed=0)
     sampler = BatchSampler(data, 32, seed=0, rank=0)
     seen = [sampler.next()[1] for _ in range(sampler.steps_per_epoch)]
     assert sampler.epoch == 0
@@ -58,8 +56,8 @@ def test_mnist_loader_reads_idx_files(tmp_path):
     from tests.conftest import write_mnist
 
     arrays = write_mnist(tmp_path / "m", train=60, test=20)
-    cfg = OmegaConf.create(dict(name="mnist", root=str(tmp_path / "m"), partition="iid", alpha=0.5, eval_samples=0))
-    shards = [load_rank_data(cfg, r, 2, seed=0) for r in range(2)]
+    ds = MNIST(root=str(tmp_path / "m"), partition="iid", alpha=0.5, eval_samples=0)
+    shards = [ds.load(r, 2, seed=0) for r in range(2)]
     x = np.concatenate([s.train_x.numpy() for s in shards])
     assert x.shape == (60, 1, 28, 28) and shards[0].global_train_size == 60
     # Every training image arrives scaled to [0, 1], each exactly once.
@@ -72,8 +70,7 @@ def test_cifar10_loader_reads_pickle_batches(tmp_path):
     from tests.conftest import write_cifar10
 
     batches = write_cifar10(tmp_path / "c", per_batch=10)
-    cfg = OmegaConf.create(dict(name="cifar10", root=str(tmp_path / "c"), partition="iid", alpha=0.5, eval_samples=0))
-    data = load_rank_data(cfg, 0, 1, seed=0)
+    data = CIFAR10(root=str(tmp_path / "c"), partition="iid", alpha=0.5, eval_samples=0).load(0, 1, seed=0)
     assert data.train_x.shape == (50, 3, 32, 32) and data.test_x.shape == (10, 3, 32, 32)
     raw = batches["test_batch"][b"data"][0].reshape(3, 32, 32) / 255.0
     mean = np.array([0.4914, 0.4822, 0.4465])[:, None, None]
@@ -85,3 +82,62 @@ def test_missing_dataset_files_exit_2(bfexp, tmp_path):
     proc = bfexp("dataset=mnist", f"dataset.root={tmp_path}/nothing", "hydra.run.dir=run")
     assert proc.returncode == 2
     assert "dataset.root=" in proc.stderr and "train-images-idx3-ubyte" in proc.stderr
+
+
+def test_missing_files_are_found_when_the_dataset_is_built(tmp_path):
+    """The driver builds the dataset before any rank starts: the check costs no load."""
+    with pytest.raises(DatasetError, match=r"dataset\.root=.* lacks train-images-idx3-ubyte, .*t10k-labels-idx1-ubyte"):
+        MNIST(root=str(tmp_path / "nothing"))
+    with pytest.raises(DatasetError, match="lacks data_batch_1, .*test_batch"):
+        CIFAR10(root=str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("build, key", [
+    (lambda: Digits(alpha=0.0), "dataset.alpha=0.0"),
+    (lambda: Digits(alpha=float("inf")), "dataset.alpha=inf"),
+    (lambda: Digits(partition="random"), "dataset.partition='random'"),
+    (lambda: Digits(eval_samples=-1), "dataset.eval_samples=-1"),
+    (lambda: Digits(test_fraction=1.0), "dataset.test_fraction=1.0"),
+    (lambda: Synthetic(classes=1), "dataset.classes=1"),
+    (lambda: Synthetic(features=0), "dataset.features=0"),
+    (lambda: Synthetic(samples_per_rank=0), "dataset.samples_per_rank=0"),
+    (lambda: Synthetic(label_noise=1.5), "dataset.label_noise=1.5"),
+    (lambda: Synthetic(heterogeneity=-1.0), "dataset.heterogeneity=-1.0"),
+])
+def test_out_of_range_options_name_the_key_and_what_is_allowed(build, key):
+    with pytest.raises(ConfigError) as err:
+        build()
+    message = str(err.value)
+    assert message.startswith(key + ";") and "allowed:" in message and "\n" not in message
+
+
+def test_more_ranks_than_samples_or_empty_dirichlet_shards_are_dataset_errors():
+    tiny = Digits(partition="iid", test_fraction=0.99)  # 18 training images
+    with pytest.raises(DatasetError, match="ranks=19 exceeds the 18 training samples; allowed: at most 18"):
+        tiny.load(0, 19, seed=0)
+    with pytest.raises(DatasetError, match=r"dataset\.alpha=0\.001 leaves some of 16 ranks"):
+        Digits(partition="dirichlet", alpha=0.001).load(0, 16, seed=0)
+
+
+class Blobs(Dataset):
+    """A user's own data set: only `arrays`; the base partitions and sizes it."""
+
+    def __init__(self, centers: int = 3, **options):
+        super().__init__(**options)
+        self.centers = centers
+
+    def arrays(self, seed):
+        rng = np.random.default_rng(seed)
+        y = np.arange(120) % self.centers
+        x = rng.normal(size=(120, 2, 3)) + y[:, None, None]
+        return x[:100], y[:100], x[100:], y[100:], self.centers
+
+
+def test_user_dataset_gets_partitioning_and_shape_from_the_base():
+    ds = Blobs(centers=4, partition="sorted", eval_samples=5)
+    shards = [ds.load(r, 4, seed=1) for r in range(4)]
+    assert ds.sample_shape() == ((2, 3), 4)
+    assert sum(len(s.train_y) for s in shards) == shards[0].global_train_size == 100
+    # sorted: each rank holds one contiguous run of labels (25 of each of 4 classes -> one class per rank)
+    assert [sorted(set(s.train_y.tolist())) for s in shards] == [[0], [1], [2], [3]]
+    assert shards[0].test_x.shape == (5, 2, 3) and shards[0].in_shape == (2, 3)

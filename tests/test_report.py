@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
+from bfexp import results
 from bfexp.cli import group_options
-from bfexp.report import collect, efficiency_series, swept_keys, write_report
+from bfexp.report import Plotter, collect, efficiency_series, swept_keys, write_report
 
 # Virtual ranks make the real sweep cheap; real MPI ranks where that engine is absent.
 ENGINE = "threads" if "threads" in group_options("engine") else "mpi"
@@ -145,14 +146,14 @@ def test_scaling_efficiency_from_summary_or_derived_from_throughput(sweep):
     # dsgd: the 1- and 2-rank jobs predate scaling_efficiency, so the curve is derived from
     # throughput relative to 1 rank: 180 / (2 x 100) = 0.9 and 320 / (4 x 100) = 0.8.
     points, suffix = series["algorithm=dsgd"]
-    assert {r: v[0] for r, v in points.items()} == pytest.approx({1: 1.0, 2: 0.9, 4: 0.8})
+    assert {r: v[0].value for r, v in points.items()} == pytest.approx({1: 1.0, 2: 0.9, 4: 0.8})
     assert "from throughput" in suffix
     # A single completed allreduce job: one rank count, nothing to derive from.
     assert "algorithm=allreduce" not in series
     # When every job of a curve has the figure, the summary's value is used as is.
     only_new = [job for job in ok if job.summary["ranks"] == 4]
     points, suffix = efficiency_series(only_new, ["algorithm", "ranks"])["algorithm=dsgd"]
-    assert points == {4: [0.8]} and suffix == ""
+    assert points == {4: [(0.8, 0.8, 0.8)]} and suffix == ""  # a job without ends: no spread
 
 
 def test_single_run_folder_and_unfinished_job(tmp_path):
@@ -191,7 +192,7 @@ def test_real_sweep_writes_the_report_with_a_failed_job(bfexp):
         assert row["steps"] == "6" and float(row["final_accuracy"]) > 0 and float(row["throughput_samples_per_s"]) > 0
     pngs = sorted(sweep.glob("*.png"))
     assert {p.name for p in pngs} == {"scaling_efficiency.png", "throughput.png", "consensus_distance.png",
-                                      "training_ranks1.png", "training_ranks4.png"}
+                                      "training_ranks1.png", "training_ranks4.png", "accuracy_vs_bytes.png"}
     for png in pngs:
         data = png.read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > MIN_PNG_BYTES, png.name
@@ -201,7 +202,7 @@ def test_real_sweep_writes_the_report_with_a_failed_job(bfexp):
     left_out = md.split("## Left out of the plots", 1)[1].split("##")[0].strip().splitlines()
     assert len(left_out) == 1 and left_out[0].startswith("- `2_") and ": failed: rank 4: RuntimeError" in left_out[0]
     # The table printed at the end, and the plain progress lines (stdout is a pipe here).
-    assert "report: sweep/report.md (5 plots, report.csv)" in proc.stdout
+    assert "report: sweep/report.md (6 plots, report.csv)" in proc.stdout
     assert "step 6/6" in proc.stdout and "eta" in proc.stdout
 
 
@@ -216,3 +217,101 @@ def test_report_switch_off_and_on(sweep, capsys):
     MultirunReport().on_multirun_end(OmegaConf.create({"report": True, "hydra": {"sweep": {"dir": str(sweep)}}}))
     assert (sweep / "report.md").exists() and (sweep / "report.csv").exists()
     assert f"report: {sweep}/report.md (6 plots, report.csv)" in capsys.readouterr().out
+
+
+def with_intervals(summary, **figures):
+    """A summary with figures and their interval ends: figures={key: (value, low, high)}."""
+    for key, (value, low, high) in figures.items():
+        lo, hi = results.INTERVALS[key]
+        summary.update({key: value, lo: low, hi: high})
+    return summary
+
+
+def error_bars(ax):
+    """{curve label: {x: (low end, high end)}} of every curve drawn with error bars."""
+    out = {}
+    for container in ax.containers:
+        if container.has_yerr:
+            segments = container.lines[2][0].get_segments()
+            out[container.get_label()] = {round(seg[0][0]): (seg[0][1], seg[1][1]) for seg in segments}
+    return out
+
+
+@pytest.fixture
+def noisy_sweep(tmp_path):
+    """dsgd and exact_diffusion at 2 and 4 ranks with intervals on every figure: at 4 ranks their
+    throughputs overlap (within noise), at 2 they do not; exact diffusion's speedup interval holds 1."""
+    root = tmp_path / "noisy"
+    figures = {  # (algorithm, ranks): throughput, efficiency, speedup, each (value, low, high)
+        ("dsgd", 2): ((180.0, 170.0, 190.0), (0.9, 0.85, 0.95), (1.2, 1.1, 1.3)),
+        ("dsgd", 4): ((320.0, 300.0, 330.0), (0.8, 0.75, 0.83), (1.3, 1.2, 1.4)),
+        ("exact_diffusion", 2): ((150.0, 145.0, 160.0), (0.75, 0.72, 0.8), (1.0, 0.95, 1.07)),
+        ("exact_diffusion", 4): ((310.0, 290.0, 325.0), (0.78, 0.72, 0.81), (1.05, 0.97, 1.1)),
+    }
+    for i, ((algorithm, ranks), (tput, eff, speedup)) in enumerate(figures.items()):
+        s = with_intervals(summary(algorithm, ranks, tput[0], time_source="measured"),
+                           throughput_samples_per_s=tput, scaling_efficiency=eff, speedup_vs_baseline=speedup)
+        make_job(root, f"{i}_algorithm={algorithm},ranks={ranks}", [f"algorithm={algorithm}", f"ranks={ranks}"],
+                 s, curve(ranks, tput[0]))
+    return root
+
+
+def test_csv_intervals_error_bars_and_what_is_within_noise(noisy_sweep, tmp_path):
+    write_report(noisy_sweep)
+    rows = read_csv(noisy_sweep / "report.csv")
+    # every figure with an interval has its two ends as columns, beside it
+    header = list(rows[0])
+    for key, (low, high) in results.INTERVALS.items():
+        assert header.index(low) == header.index(key) + 1 and header.index(high) == header.index(key) + 2
+    for row in rows:
+        for key in ("throughput_samples_per_s", "scaling_efficiency", "speedup_vs_baseline"):
+            low, high = results.INTERVALS[key]
+            assert float(row[low]) <= float(row[key]) <= float(row[high])
+    # exact diffusion's speedup interval holds 1: its difference from the baseline is within noise
+    assert [r["speedup_vs_baseline_within_noise"] for r in rows] == ["False", "False", "True", "True"]
+    md = (noisy_sweep / "report.md").read_text()
+    assert "1.05 [0.97, 1.1] (within noise)" in md and "1.3 [1.2, 1.4] |" in md
+    assert "4 ranks: algorithm=dsgd (320) and algorithm=exact_diffusion (310) differ in throughput_samples_per_s " \
+           "by less than their combined spread: within noise" in md
+    assert "2 ranks: algorithm=dsgd" not in md  # 170..190 and 145..160 do not overlap
+    assert "scaling efficiency = throughput at R ranks / (R x throughput of the same step on 1 rank" in md
+    # the scaling plot draws each job's interval from the CSV as its error bar
+    jobs = collect(noisy_sweep)
+    plotter = Plotter(tmp_path, jobs, swept_keys(jobs))
+    plotter.efficiency_plot([2, 4])
+    drawn = error_bars(plotter.figures["scaling_efficiency.png"].axes[0])
+    for algorithm in ("dsgd", "exact_diffusion"):
+        expected = {int(r["ranks"]): (float(r["scaling_efficiency_low"]), float(r["scaling_efficiency_high"]))
+                    for r in rows if r["algorithm"] == algorithm}
+        [label] = [k for k in drawn if k.startswith(f"algorithm={algorithm} ")]
+        assert "(median, interval)" in label and drawn[label].keys() == expected.keys()
+        for ranks, ends in expected.items():
+            assert drawn[label][ranks] == pytest.approx(ends)
+
+
+def test_one_baseline_curve_per_batch_size(tmp_path):
+    """batch_size swept: the allreduce baseline differs per batch size, so each gets its own curve
+    (an average over batch sizes would be no baseline at all)."""
+    root = tmp_path / "batches"
+    i = 0
+    for batch in (32, 256):
+        for algorithm in ("dsgd", "push_sum"):
+            for ranks in (2, 4):
+                base_tput = 100.0 * ranks * (2 if batch == 256 else 1)
+                s = summary(algorithm, ranks, base_tput * 1.1, batch_size=batch, baseline_throughput_samples_per_s=base_tput,
+                            baseline_scaling_efficiency=0.5 if batch == 32 else 0.9, scaling_efficiency=0.6)
+                make_job(root, f"{i}_b{batch}_{algorithm}_{ranks}",
+                         [f"algorithm={algorithm}", f"batch_size={batch}", f"ranks={ranks}"], s, curve(ranks, base_tput))
+                i += 1
+    jobs = collect(root)
+    plotter = Plotter(tmp_path, jobs, swept_keys(jobs))
+    plotter.efficiency_plot([2, 4])
+    plotter.throughput_plot([2, 4])
+    def baselines(name):
+        return {c.get_label().split(" (mean")[0]: [tuple(map(float, xy)) for xy in zip(*c.lines[0].get_data())]
+                for c in plotter.figures[name].axes[0].containers if c.get_label().startswith("allreduce")}
+
+    assert baselines("throughput.png") == {"allreduce baseline (batch_size=32)": [(2, 200.0), (4, 400.0)],
+                                           "allreduce baseline (batch_size=256)": [(2, 400.0), (4, 800.0)]}
+    assert baselines("scaling_efficiency.png") == {"allreduce baseline (batch_size=32)": [(2, 0.5), (4, 0.5)],
+                                                   "allreduce baseline (batch_size=256)": [(2, 0.9), (4, 0.9)]}

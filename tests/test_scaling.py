@@ -1,16 +1,20 @@
-"""Scaling figures: definitions, the timing split, the reference cache, the
-ResNet-50 size, the cluster configs, and whole jobs through the real CLI."""
+"""Scaling figures: definitions, intervals, the timing split, the single-rank reference and
+its cache, the cluster configs, and whole jobs through the real CLI (ResNet-50's size:
+tests/test_models.py)."""
 
 import json
 import math
 import re
+import statistics
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 
-from bfexp import scaling
+from bfexp import probes, results, scaling
 from bfexp.cli import group_options
+from bfexp.scaling import Spread
 
 REPO = Path(__file__).resolve().parent.parent
 FIGURES = (
@@ -38,21 +42,91 @@ def test_split_timing_by_hand():
     assert got["compute_time_s"] + got["comm_time_s"] + got["wait_time_s"] == pytest.approx(got["step_time_s"])
 
 
+def test_split_timing_intervals_by_hand():
+    # two ranks: (median, low, high) of step and of blocked time
+    got = scaling.split_timing([0.10, 0.12], [0.01, 0.03], [0.09, 0.11], [0.12, 0.15], [0.005, 0.02], [0.02, 0.04])
+    assert got["step_time_s"] == pytest.approx(0.11)
+    assert (got["step_time_s_low"], got["step_time_s_high"]) == pytest.approx((0.10, 0.135))
+    assert (got["comm_time_s"], got["comm_time_s_low"], got["comm_time_s_high"]) == pytest.approx((0.01, 0.005, 0.02))
+    # compute = mean(step - blocked) = 0.09; ends: mean(step_low - blocked_high), mean(step_high - blocked_low)
+    assert got["compute_time_s"] == pytest.approx(0.09)
+    assert (got["compute_time_s_low"], got["compute_time_s_high"]) == pytest.approx((0.07, 0.1225))
+    # wait = mean(blocked) - comm = 0.01; ends: mean(blocked_low) - comm_high (at least 0), mean(blocked_high) - comm_low
+    assert got["wait_time_s"] == pytest.approx(0.01)
+    assert (got["wait_time_s_low"], got["wait_time_s_high"]) == pytest.approx((0.0, 0.025))
+
+
+def test_order_statistic_interval_by_hand():
+    # P(Binomial(10, 1/2) <= 1) = 11/1024: the 2nd smallest and 2nd largest of 10 hold the median with
+    # 1 - 22/1024 = 97.9% >= 95%; the 3rd would give 1 - 2 * 56/1024 = 89% < 95%.
+    assert scaling.order_interval(10) == 2
+    assert scaling.order_interval(5) == 1  # 1 - 2/32 = 93.75%: nothing reaches 95%, the range it is
+    # 20 samples: P(Bin(20, 1/2) <= 5) = 21700/1048576 -> 95.9% with the 6th; the 7th gives 88.5%
+    assert scaling.order_interval(20) == 6
+
+
+def test_spread_of_by_hand():
+    assert scaling.spread_of([5.0]) == (5.0, 5.0, 5.0)
+    assert scaling.spread_of([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)  # few samples: their range
+    # 30 samples = 10 runs of 3; run 4 was disturbed (another process took the cores)
+    runs = [[10.0 + i] * 3 for i in range(10)]
+    runs[4] = [1000.0] * 3
+    got = scaling.spread_of([x for run in runs for x in run])
+    # run medians 10..13, 15..19 and 1000: the 2nd smallest (11) to the 2nd largest (19); the median of
+    # all 30 is between the 15th (15) and 16th (16) values
+    assert got == (15.5, 11.0, 19.0)
+    assert all(math.isnan(v) for v in scaling.spread_of([float("nan")] * 2))  # no finite sample: no figure
+
+
+def test_measured_figures_carry_intervals_by_hand():
+    timing = {"step_time_s": 0.1, "step_time_s_low": 0.08, "step_time_s_high": 0.125}
+    base = {"step_time_s": 0.2, "step_time_s_low": 0.16, "step_time_s_high": 0.25}
+    got = scaling.measured_figures(2, 32, timing, Spread(0.05, 0.04, 0.0625), base, own_baseline=False,
+                                   source="measured")
+    # throughput = 2 x 32 / step: 640 from [512, 800]; single rank: 32 / 0.05 = 640 from [512, 800]
+    assert (got["throughput_samples_per_s"], got["throughput_samples_per_s_low"],
+            got["throughput_samples_per_s_high"]) == pytest.approx((640, 512, 800))
+    # efficiency = 640 / (2 x 640); the ends take the widest combination: 512 / 1600 and 800 / 1024
+    assert (got["scaling_efficiency"], got["scaling_efficiency_low"], got["scaling_efficiency_high"]) == \
+        pytest.approx((0.5, 0.32, 0.78125))
+    # speedup = 640 / 320 from [512 / 400, 800 / 256]
+    assert (got["speedup_vs_baseline"], got["speedup_vs_baseline_low"], got["speedup_vs_baseline_high"]) == \
+        pytest.approx((2.0, 1.28, 3.125))
+    own = scaling.measured_figures(2, 32, timing, Spread(0.05, 0.04, 0.0625), timing, own_baseline=True,
+                                   source="measured")
+    assert (own["speedup_vs_baseline"], own["speedup_vs_baseline_low"], own["speedup_vs_baseline_high"]) == (1, 1, 1)
+    assert got["time_source"] == "measured"
+
+
+def test_within_noise():
+    a = Spread(1.0, 0.9, 1.1)
+    assert scaling.within_noise(a, Spread(1.15, 1.05, 1.3))  # 0.15 apart, spreads facing each other 0.1 + 0.1
+    assert not scaling.within_noise(a, Spread(1.2, 1.12, 1.3))  # 0.2 apart, 0.1 + 0.08
+    assert scaling.within_noise(Spread(0.93, 0.8, 1.02), Spread.exact(1.0))
+
+
+def test_reference_threads_are_a_one_rank_jobs():
+    """The reference runs with what a 1-rank job gets (every core), whatever the job's ranks."""
+    assert scaling.reference_threads(None, 8) == 8 and scaling.reference_threads(2, 8) == 2
+    assert scaling.load_moved(1.0, 2.5, 1.0) and not scaling.load_moved(1.0, 1.8, 1.0)
+    assert scaling.load_moved(None, 1.0, 1.0)
+
+
 def test_contention_note():
-    assert scaling.contention_note(4, 2, "mpi") and "4 ranks share 2 cores" in scaling.contention_note(4, 2, "threads")
-    assert scaling.contention_note(2, 2, "mpi") is None
-    assert scaling.contention_note(8, 2, "nccl") is None  # GPU ranks do not share cores for compute
+    assert scaling.contention_note(4, 2, on_cpu=True) and "4 ranks share 2 cores" in scaling.contention_note(4, 2, True)
+    assert scaling.contention_note(2, 2, on_cpu=True) is None
+    assert scaling.contention_note(8, 2, on_cpu=False) is None  # GPU ranks do not share cores for compute
 
 
 def test_reference_cache_survives_concurrent_writers(tmp_path):
-    key = {"model": {"name": "logreg"}, "batch_size": 32, "device": "cpu:test"}
+    key = {"model": {"_target_": "bfexp.models.LogReg"}, "batch_size": 32, "device": "cpu:test"}
     errors = []
 
     def writer(value):
         try:
             for _ in range(50):
-                scaling.store_reference(tmp_path, key, value, 10)
-                got = scaling.load_reference(tmp_path, key)
+                probes.store_reference(tmp_path, key, {"step_time_s": value})
+                got = probes.load_reference(tmp_path, key)
                 assert got is not None and got["step_time_s"] in (0.001, 0.002)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -64,25 +138,83 @@ def test_reference_cache_survives_concurrent_writers(tmp_path):
         t.join()
     assert not errors
     assert len(list(tmp_path.glob("*.json"))) == 1 and not list(tmp_path.glob(".*.tmp"))
-    assert scaling.load_reference(tmp_path, {**key, "batch_size": 64}) is None
-    assert scaling.cache_dir(None) is None and scaling.cache_dir(str(tmp_path)) == tmp_path
+    assert probes.load_reference(tmp_path, {**key, "batch_size": 64}) is None
+    assert probes.cache_dir(None) is None and probes.cache_dir(str(tmp_path)) == tmp_path
 
 
-def test_resnet50_size_on_meta_device_and_forward():
-    import torch
-    from omegaconf import OmegaConf
+def one_rank_reference(directory, policy="cached", margin=1.0, rounds=4, steps=10):
+    """A SingleRankReference of a small linear model on a real 1-rank engine (virtual ranks)."""
+    from bfexp.algorithms import DSGD
+    from bfexp.comm.threads import ThreadsEngine, ThreadWorld
+    from bfexp.topology import FullyConnected
+    from bfexp.worker import train_step
 
-    from bfexp.models import build_model, parameter_count
+    engine = ThreadsEngine(ThreadWorld(1), 0)
+    g = torch.Generator().manual_seed(0)
 
-    rn = OmegaConf.create({"name": "resnet50", "channels": 3, "image_size": 224, "classes": 1000})
-    # torchvision's ResNet-50 has 25,557,032 parameters (its documented size)
-    assert parameter_count(rn, OmegaConf.create({"name": "synthetic"})) == 25_557_032
-    model = build_model(rn, 3 * 32 * 32, 10, seed=0)
-    assert sum(p.numel() for p in model.parameters()) == 25_557_032 - 2048 * 990 - 990
-    out = model(torch.zeros(2, 3 * 32 * 32))
-    assert out.shape == (2, 10)
-    with pytest.raises(ValueError, match="model=resnet50 needs square images"):
-        build_model(rn, 10, 2, seed=0)
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 3)
+
+    def alone():
+        net = model()
+        return net, DSGD(torch.optim.SGD(net.parameters(), lr=0.1), engine, FullyConnected(1), model=net)
+
+    def plain():
+        net = model()
+        return net, torch.optim.SGD(net.parameters(), lr=0.1)
+
+    key = probes.reference_key(model={"_target_": "Linear"}, optimizer={"lr": 0.1}, wrapper={"_target_": "DSGD"},
+                               sample_shape=(8,), classes=3, batch=4, dtype="float32", device="cpu:test", threads=1)
+    return probes.SingleRankReference(
+        engine, train_step, alone=alone, plain=plain,
+        next_batch=lambda: (torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)),
+        key=key, directory=directory, policy=policy, margin=margin, rounds=rounds, threads=1, steps=steps, first=2)
+
+
+def test_reference_rounds_go_between_training_steps_and_are_cached(tmp_path):
+    ref = one_rank_reference(tmp_path)
+    ref.start()
+    assert ref.measuring  # nothing cached yet
+    for step in range(1, 11):
+        ref.after_step(step)
+    # every round went between steps 2..10, none was left for finish
+    assert len(ref.samples["wrapper"]) == len(ref.samples["plain"]) == 4 and not ref.schedule
+    first = ref.finish()
+    assert first["source"] == "measured" and first["refreshed"] is None and first["rounds"] == 4
+    assert first["step_time_s_low"] <= first["step_time_s"] <= first["step_time_s_high"]
+    assert first["framework_overhead_fraction_low"] <= first["framework_overhead_fraction"]
+    assert Path(first["cache_file"]).is_file()
+
+    # the same key at (nearly) the same load: the cache, which says when it was measured
+    again = one_rank_reference(tmp_path, margin=1e6)
+    again.start()
+    assert not again.measuring
+    cached = again.finish()
+    assert cached["source"] == "cache" and cached["measured_at"] == first["measured_at"]
+    assert cached["step_time_s"] == first["step_time_s"]
+
+    # asked for: measured again
+    fresh = one_rank_reference(tmp_path, policy="fresh", steps=0)  # no training steps: all rounds in finish
+    fresh.start()
+    record = fresh.finish()
+    assert record["source"] == "measured" and record["refreshed"] == "scaling.reference=fresh" and record["rounds"] == 4
+
+
+def test_reference_cached_at_another_load_is_measured_again(tmp_path):
+    ref = one_rank_reference(tmp_path)
+    ref.start()
+    path = Path(ref.finish()["cache_file"])
+    entry = json.loads(path.read_text())
+    busier = probes.load_average() + 50.0
+    path.write_text(json.dumps({**entry, "load_average_1min": busier}))  # taken on a much busier machine
+    again = one_rank_reference(tmp_path, margin=1.0, steps=0)
+    again.start()
+    assert again.measuring
+    record = again.finish()
+    assert record["source"] == "measured"
+    assert f"taken at load {busier:.2f}" in record["refreshed"] and "scaling.reference_load_margin=1" in record["refreshed"]
+    assert abs(json.loads(path.read_text())["load_average_1min"] - busier) > 40  # the cache holds the new one
 
 
 def test_every_declared_cluster_figure_cites_a_source():
@@ -99,9 +231,19 @@ def load(path):
     return json.loads(Path(path).read_text())
 
 
+def check_intervals(figures, keys=None):
+    """Every figure with an interval has both ends, and they hold the point."""
+    for key in keys or [k for k in results.INTERVALS if k in figures]:
+        low, high = results.INTERVALS[key]
+        point, lo, hi = figures[key], figures[low], figures[high]
+        assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in (point, lo, hi)), (key, point, lo, hi)
+        assert lo <= point <= hi, (key, lo, point, hi)
+
+
 def check_figures(summary):
     for key in FIGURES:
         assert isinstance(summary[key], (int, float)) and math.isfinite(summary[key]), (key, summary[key])
+    check_intervals(summary, [k for k in FIGURES if k in results.INTERVALS])
     assert summary["speedup_vs_baseline"] == pytest.approx(
         summary["throughput_samples_per_s"] / summary["baseline_throughput_samples_per_s"], rel=1e-9)
     single = summary["single_rank_throughput_samples_per_s"]
@@ -116,25 +258,106 @@ def check_figures(summary):
 
 
 def test_scaling_sweep_on_the_default_experiment(bfexp, tmp_path):
-    """ranks=2,4 on the default experiment: every job measures every figure, probes the
-    baseline, models the same job on this machine, and flags contention past the cores."""
-    proc = bfexp("-m", "ranks=2,4", "steps=20", "log_every=10", "baseline_steps=10", "report=false",
-                 "scaling.reference_cache=cache", "hydra.sweep.dir=sweep")
+    """ranks=1,2,4 on the default experiment: every job measures every figure with its interval,
+    probes the baseline, models the same job on this machine, flags contention past the cores,
+    and all three use ONE single-rank reference (its load margin is wide here: the load of this
+    shared machine is not what this test is about)."""
+    from bfexp.report import Plotter, collect, swept_keys
+
+    proc = bfexp("-m", "ranks=1,2,4", "steps=20", "log_every=10", "baseline_steps=10",
+                 "scaling.reference_cache=cache", "scaling.reference_load_margin=1000", "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
-    summaries = sorted((load(p) for p in (bfexp.cwd / "sweep").glob("*/summary.json")), key=lambda s: s["ranks"])
-    assert [s["ranks"] for s in summaries] == [2, 4]
+    sweep = bfexp.cwd / "sweep"
+    summaries = sorted((load(p) for p in sweep.glob("*/summary.json")), key=lambda s: s["ranks"])
+    assert [s["ranks"] for s in summaries] == [1, 2, 4]
     cores = scaling.processor_count()
     for s in summaries:
         assert s["status"] == "completed" and s["time_source"] == "measured"
         check_figures(s)
-        assert s["measured"]["baseline_steps"] == 10 and s["measured"]["reference_source"] in ("measured", "cache")
+        check_intervals(s)  # every headline figure, and the framework overhead
+        check_intervals(s["measured"])
+        check_intervals(s["modeled"])
+        assert s["measured"]["time_source"] == "measured" and s["modeled"]["time_source"] == "modeled"
+        assert s["measured"]["baseline_steps"] == 10
         check_figures({**s["modeled"], "ranks": s["ranks"], "batch_size": s["batch_size"]})
         assert s["modeled"]["parameters"] == 33 * 2  # logreg: 32 features + bias, 2 classes
         assert (s["contention"] is not None) == (s["ranks"] > cores)
         if s["contention"]:
             assert f"{s['ranks']} ranks share {cores} cores" in proc.stdout
-    # the single-rank reference was measured once and cached for the second job
+    # Jobs that differ only in ranks use the same reference: measured once (with the threads a
+    # 1-rank job gets), then read from the cache, and each summary says which.
+    refs = [s["reference"] for s in summaries]
+    assert [s["reference_source"] for s in summaries] == ["measured", "cache", "cache"]
+    assert all(r["key"] == refs[0]["key"] and r["measured_at"] == refs[0]["measured_at"] for r in refs)
+    assert len({r["step_time_s"] for r in refs}) == 1 and len({s["single_rank_throughput_samples_per_s"] for s in summaries}) == 1
+    assert refs[0]["key"]["threads"] == cores and refs[0]["key"]["wrapper"]["_target_"].endswith("DSGD")
     assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+    # report.csv: every figure with its interval, holding the point; the plot draws those intervals
+    with open(sweep / "report.csv", newline="") as f:
+        import csv
+
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        figures = {k: float(row[k]) for k in row if k in results.FIELD and row[k] not in ("", None)
+                   and (k in results.INTERVALS or results.FIELD[k].bound_of)}
+        check_intervals(figures, [k for k in results.INTERVALS if results.FIELD[k].headline])
+    jobs = [job for job in collect(sweep) if job.ok]
+    plotter = Plotter(tmp_path, jobs, swept_keys(jobs))
+    plotter.efficiency_plot([1, 2, 4])
+    ax = plotter.figures["scaling_efficiency.png"].axes[0]
+    bars = [c for c in ax.containers if c.has_yerr and not str(c.get_label()).startswith("allreduce")]
+    assert len(bars) == 1
+    drawn = {round(seg[0][0]): (seg[0][1], seg[1][1]) for seg in bars[0].lines[2][0].get_segments()}
+    expected = {int(r["ranks"]): (float(r["scaling_efficiency_low"]), float(r["scaling_efficiency_high"])) for r in rows}
+    assert drawn.keys() == expected.keys()
+    for ranks, (low, high) in expected.items():
+        assert drawn[ranks] == pytest.approx((low, high), rel=1e-9)
+
+
+def test_one_rank_jobs_of_every_algorithm_score_one(bfexp, monkeypatch, tmp_path):
+    """ranks=1 at the defaults: the reference is the same step on one rank, so every algorithm scores
+    1 up to noise. The median of three repeats (seeds) per algorithm, on this shared machine."""
+    monkeypatch.setenv("BFEXP_CACHE_DIR", str(tmp_path / "cache"))
+    algorithms = sorted(group_options("algorithm"))
+    # One rank in the driver's process (virtual) for every wrapper that runs there, one MPI process for ddp
+    # (torch.distributed needs one): the same step and the same 1-rank reference, without 36 process starts.
+    in_process = [a for a in algorithms if a != "ddp"]
+    for engine, names, sweep in (("threads", in_process, "sweep"), ("mpi", ["ddp"], "sweep_ddp")):
+        proc = bfexp("-m", f"algorithm={','.join(names)}", "seed=0,1,2", "ranks=1", f"engine={engine}",
+                     "report=false", f"hydra.sweep.dir={sweep}", timeout=900)
+        assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    by_algorithm: dict[str, list[float]] = {}
+    for path in [*(bfexp.cwd / "sweep").glob("*/summary.json"), *(bfexp.cwd / "sweep_ddp").glob("*/summary.json")]:
+        s = load(path)
+        assert s["status"] == "completed" and s["ranks"] == 1
+        assert s["measured"]["time_source"] == ("simulated" if s["engine"] == "threads" else "measured")
+        check_intervals(s)
+        # the measured figure (on virtual ranks the headline is the cost model's)
+        by_algorithm.setdefault(s["algorithm"], []).append(s["measured"]["scaling_efficiency"])
+    assert sorted(by_algorithm) == algorithms and all(len(v) == 3 for v in by_algorithm.values())
+    medians = {a: statistics.median(v) for a, v in by_algorithm.items()}
+    assert all(0.9 <= m <= 1.1 for m in medians.values()), (medians, by_algorithm)
+
+
+def test_a_reference_cached_at_another_load_is_measured_again(bfexp, tmp_path):
+    """A cache entry written as if taken on a much busier machine: the next job measures its own
+    reference, says why in summary.json, and replaces the entry (2 ranks: a 1-rank job would measure
+    its own anyway)."""
+    args = ("model=mlp", "dataset=digits", "ranks=2", "steps=20", f"scaling.reference_cache={tmp_path / 'cache'}")
+    assert bfexp(*args, "hydra.run.dir=first").returncode == 0
+    [path] = (tmp_path / "cache").glob("*.json")
+    entry = json.loads(path.read_text())
+    busier = probes.load_average() + 50.0
+    path.write_text(json.dumps({**entry, "load_average_1min": busier}))
+    proc = bfexp(*args, "hydra.run.dir=second")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    s = load(bfexp.cwd / "second" / "summary.json")
+    ref = s["reference"]
+    assert s["reference_source"] == "measured" and ref["source"] == "measured"
+    assert f"taken at load {busier:.2f}" in ref["refreshed"] and ref["measured_at"] != entry["measured_at"]
+    assert "single-rank reference measured in this job" in proc.stdout and "taken at load" in proc.stdout
+    assert abs(json.loads(path.read_text())["load_average_1min"] - busier) > 40
 
 
 def test_throughput_only_resnet50_on_the_v100_cluster(bfexp):
@@ -182,6 +405,9 @@ def test_throughput_only_on_real_ranks_measures_communication(bfexp, tmp_path):
     (["scaling.allreduce=tree"], "scaling.allreduce='tree'; allowed: ring, hierarchical"),
     (["scaling=v100_cluster", "ranks=12"], "ranks=12 does not fill machines of scaling.ranks_per_machine=8"),
     (["baseline_steps=-1"], "baseline_steps=-1; allowed: an integer >= 0"),
+    (["scaling.reference=sometimes"], "scaling.reference='sometimes'; allowed: cached, fresh"),
+    (["scaling.reference_load_margin=-1"], "scaling.reference_load_margin=-1.0; allowed: a number >= 0"),
+    (["scaling.reference_threads=0"], "scaling.reference_threads=0; allowed: an integer >= 1"),
 ])
 def test_bad_scaling_input_exits_2(bfexp, args, message):
     proc = bfexp(*args, "hydra.run.dir=run")

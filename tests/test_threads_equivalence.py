@@ -70,9 +70,8 @@ from bfexp.worker import train
 
 
 def train_case(engine, config, run_dir):
-    got = {}
-    train(OmegaConf.load(config), engine, Path(run_dir), inspect=got.update)
-    return {"loss": got["loss"], "parameters": got["parameters"].tolist()}
+    trained = train(OmegaConf.load(config), engine, Path(run_dir))
+    return {"loss": trained.loss, "parameters": trained.parameters.tolist()}
 
 
 def bits(t):

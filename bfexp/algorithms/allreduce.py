@@ -18,22 +18,27 @@ H local optimizer steps, then the parameters are averaged.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from bfexp.algorithms.base import DecentralizedOptimizer, flat_grad, set_flat_grad_
 from bfexp.algorithms.buckets import Bucket
-from bfexp.comm.engine import Handle
+from bfexp.comm.engine import Engine, Handle
+from bfexp.costmodel import Traffic
+from bfexp.topology import Topology
 
 
 class Allreduce(DecentralizedOptimizer):
     name: ClassVar[str] = "allreduce"
     uses_topology: ClassVar[bool] = False
     bucketed: ClassVar[bool] = True
+    traffic: ClassVar[Traffic] = Traffic("allreduce")  # the gradient (local SGD: the model)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any
+    ) -> None:
+        super().__init__(optimizer, engine, topology, **options)
         self.grad = torch.zeros_like(self.flat)
 
     def begin_iteration(self) -> None:

@@ -22,22 +22,42 @@ Communication rounds: with ``communication_period`` H (local SGD), ranks
 communicate on iterations k with (k + 1) % H == 0, and round r = k // H
 uses the topology's W(r), so a dynamic graph cycles through all its W(t)
 whatever H is. On the other iterations W = I (a purely local step).
+Gossip-PGA (Chen et al., "Accelerating Gossip SGD with Periodic Global
+Averaging", ICML 2021): with ``global_average_every`` G, every G-th round
+uses J = 11^T / n in place of W(r), an exact average that ``start_mix`` and
+``start_push`` run as one allreduce; G = 1 averages every round.
+
+The constructor is the algorithm's config schema: every option is a keyword
+with a type annotation and a default (words are ``typing.Literal``), and
+conf/algorithm/<name>.yaml builds it with Hydra (``_target_``, ``_partial_:
+true``) given the local optimizer, engine, topology and model. What a class
+states about itself, each read before any rank starts:
+
+* ``check_options(**options)``: the options' ranges (ConfigError, one line);
+* ``check_run(engine class, throughput_only=, modeled=)``: the kind of job;
+* ``resolve_topology(topology)``: the topology its rule runs on (or
+  TopologyMismatch); the constructor refuses one that breaks ``requires``;
+* ``traffic``: what one communicating step sends, for the cost model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import typing
+import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 
 from bfexp.algorithms.buckets import Bucket, GradBuckets
 from bfexp.comm.engine import Engine, Handle
+from bfexp.costmodel import Traffic
+from bfexp.errors import ConfigError, TopologyMismatch
 from bfexp.topology import RankWeights, Topology
-
-# Defaults of the options every algorithm takes (conf/algorithm/*.yaml may override).
-COMMON_OPTIONS: dict[str, Any] = {"communication_period": 1, "overlap": True, "bucket_mb": 25.0}
 
 
 @dataclass(frozen=True)
@@ -49,10 +69,6 @@ class Requirements:
     column_stochastic: bool = False
     row_stochastic: bool = False
     static: bool = False
-
-
-class TopologyMismatch(ValueError):
-    """A topology the algorithm's theory does not cover; the message says why."""
 
 
 def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -99,72 +115,106 @@ def set_flat_grad_(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
         offset += n
 
 
-def merge_options(cfg: Mapping[str, Any] | None, options: Mapping[str, Any]) -> dict[str, Any]:
-    """COMMON_OPTIONS, then the config node, then keyword arguments."""
-    merged = dict(COMMON_OPTIONS)
-    if cfg is not None:
-        try:
-            from omegaconf import DictConfig, OmegaConf
-
-            if isinstance(cfg, DictConfig):
-                cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-        except ImportError:  # pragma: no cover
-            pass
-        merged.update(dict(cfg))  # type: ignore[arg-type]
-    merged.update(options)
-    return merged
-
-
 class DecentralizedOptimizer:
     """step() = the local update plus the communication the rule needs.
 
     ``optimizer`` is the local torch optimizer (SGD, momentum SGD, Adam...):
     whatever it would do with a gradient is the "adapt" part of each rule.
-    ``cfg`` is the ``algorithm`` config node (or a dict); keyword arguments
-    override it, so ``DSGD(opt, engine, topology, style="awc")`` works
-    without a config. Give ``model`` so the start-of-iteration work runs
-    from a forward pre-hook; without it, call ``zero_grad()`` before each
-    forward pass (the usual loop does).
+    ``topology`` must meet the rule's ``requires`` (TopologyMismatch
+    otherwise): pass it through ``resolve_topology`` first. Give ``model``
+    so the start-of-iteration work runs from a forward pre-hook; without it,
+    call ``zero_grad()`` before each forward pass (the usual loop does).
+
+    Options every rule takes: ``communication_period`` H (local SGD:
+    communicate every H-th iteration), ``overlap`` (start communication from
+    hooks so it overlaps computation; false: after backward) and
+    ``bucket_mb`` (messages started during backward carry buckets of at
+    most this many MiB); gossip rules also take ``global_average_every`` G
+    (Gossip-PGA: every G-th round averages exactly; 0 = never). A subclass
+    adds its own as keywords and forwards the rest:
+    ``DSGD(opt, engine, topology, style="awc", overlap=False)``.
     """
 
-    name: ClassVar[str] = "abstract"
+    # Its label in summaries and messages: the config option's name. A subclass
+    # that states none (a user's own rule) is labelled by its class name.
+    name: ClassVar[str] = "DecentralizedOptimizer"
     requires: ClassVar[Requirements] = Requirements()
     # False for the allreduce baselines: they never read the topology.
     uses_topology: ClassVar[bool] = True
     # True when the rule adapts per bucket during backward (see module doc).
     bucketed: ClassVar[bool] = False
+    # False when the rule's exchange needs the finished step, so nothing can overlap it
+    # (its class then defaults overlap to false and refuses true, which the cost model would believe).
+    overlaps: ClassVar[bool] = True
+    # What one communicating step sends (the cost model prices it). The default,
+    # one model-sized neighbor exchange, is DSGD's; a user's rule without one is priced so.
+    traffic: ClassVar[Traffic] = Traffic("neighbor")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in vars(cls):
+            cls.name = cls.__name__
+
+    def __new__(cls, *args: Any, **options: Any) -> "DecentralizedOptimizer":
+        # A misspelt option (stlye="awc") must not run the default: Python's own TypeError
+        # names the key but not the allowed ones, so say them here, before any __init__ runs.
+        from bfexp.config import signature_schema  # the one reader of a constructor's keywords
+
+        params, _, open_ended = signature_schema(cls)
+        unknown = sorted(set(options) - set(params))
+        if unknown and not open_ended:
+            raise TypeError(f"{cls.__name__}() got unknown option(s) {', '.join(unknown)}; "
+                            f"allowed: {', '.join(params)}")
+        return super().__new__(cls)
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         engine: Engine,
         topology: Topology | None = None,
-        cfg: Mapping[str, Any] | None = None,
         *,
         model: torch.nn.Module | None = None,
-        **options: Any,
+        communication_period: int = 1,
+        overlap: bool = True,
+        bucket_mb: float = 25.0,
+        global_average_every: int = 0,
     ) -> None:
+        """Wrap ``optimizer``; the model's parameters become views of one flat buffer (``self.flat``).
+
+        The parameters stay the same objects, so ``model.parameters()`` and
+        tensors taken from it, before or after wrapping, stay live; only a
+        ``p.data`` taken before wrapping points at the old storage. When the
+        rule runs on another graph than ``topology`` (exact diffusion on a
+        directed graph's undirected form) a UserWarning names both, and
+        ``self.topology`` is the one it runs on.
+        """
+        self.check_options(communication_period=communication_period, overlap=overlap, bucket_mb=bucket_mb,
+                           global_average_every=global_average_every)
         self.optimizer = optimizer
         self.engine = engine
+        if self.uses_topology:
+            if topology is None:
+                raise TypeError(f"algorithm={self.name} needs a topology")
+            used, note = self.resolve_topology(topology)  # refuses (TopologyMismatch) what the rule cannot run on
+            if used is not topology:
+                warnings.warn(note or f"algorithm={self.name} runs on {used.label}, not {topology.label}",
+                              UserWarning, stacklevel=3)
+            topology = used
         self.topology = topology
-        self.cfg = merge_options(cfg, options)
-        self.communication_period = int(self.cfg["communication_period"])
-        if self.communication_period < 1:
-            raise ValueError(f"algorithm.communication_period={self.communication_period}; allowed: an integer >= 1")
-        self.overlap = bool(self.cfg["overlap"])
+        self.communication_period = communication_period
+        self.overlap = overlap
+        self.bucket_mb = bucket_mb
+        self.global_average_every = global_average_every
+        self._average: GlobalAverage | None = None  # this rank's row of J, built on first use
         self.params: list[torch.nn.Parameter] = _unique([p for g in optimizer.param_groups for p in g["params"]])
         self.flat = flatten_parameters_(self.params)
         self.iteration = 0
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # local_update's buffers
         self.module: torch.nn.Module | None = model  # what the training loop calls forward on
         self._begun_iteration = -1
-        if self.uses_topology:
-            if topology is None:
-                raise ValueError(f"algorithm={self.name} needs a topology")
-            self.check_topology(topology)
         self.buckets: GradBuckets | None = None
         if self.bucketed:
-            bucket_bytes = int(float(self.cfg["bucket_mb"]) * 2**20) if self.overlap else None
+            bucket_bytes = int(self.bucket_mb * 2**20) if self.overlap else None
             self.buckets = GradBuckets(self.params, bucket_bytes, self.bucket_ready)
         self._pre_hook = model.register_forward_pre_hook(_BeginHook(self)) if model is not None else None
 
@@ -231,24 +281,48 @@ class DecentralizedOptimizer:
         return (k + 1) % self.communication_period == 0
 
     def mixing_weights(self, iteration: int | None = None) -> RankWeights:
-        """This rank's row and column of W(r) for the communication round r of an iteration."""
+        """This rank's row and column of W(r) for the communication round r of an iteration
+        (of J = 11^T / n, a GlobalAverage, on Gossip-PGA's rounds)."""
         assert self.topology is not None
         k = self.iteration if iteration is None else iteration
-        return self.topology.weights(self.engine.rank, k // self.communication_period)
+        r = k // self.communication_period
+        if self.global_average_every and (r + 1) % self.global_average_every == 0:
+            if self._average is None:
+                self._average = GlobalAverage.of(self.engine.rank, self.engine.size)
+            return self._average
+        return self.topology.weights(self.engine.rank, r)
 
     def start_mix(self, tensor: torch.Tensor, w: RankWeights, scale: float = 1.0) -> Handle:
         """Start (W X)_i in place for a row-stochastic W; ``scale`` mixes with (1-s) I + s W instead.
 
         The result is written into ``tensor`` at wait(); leave it alone until then.
+        W = J (a GlobalAverage) runs as one allreduce, not n - 1 messages.
         """
+        if isinstance(w, GlobalAverage):
+            return self.start_average(tensor, scale)
         self_weight = 1.0 - scale + scale * w.self_weight
         src = {j: scale * v for j, v in w.src_weights.items()}
         return self.engine.ineighbor_allreduce_(tensor, self_weight, src, list(w.dst_weights))
 
     def start_push(self, tensor: torch.Tensor, w: RankWeights) -> Handle:
         """Start (A X)_i in place for a column-stochastic A: every sender scales what it sends by A[k, i]."""
+        if isinstance(w, GlobalAverage):
+            return self.start_average(tensor)
         src = {j: 1.0 for j in w.src_weights}
         return self.engine.ineighbor_allreduce_(tensor, w.self_weight, src, dict(w.dst_weights))
+
+    def start_average(self, tensor: torch.Tensor, scale: float = 1.0) -> Handle:
+        """Start ((1-s) I + s J) X in place (J = 11^T / n): an allreduce, then the blend at wait()."""
+        if scale == 1.0:
+            return self.engine.iallreduce_(tensor, op="avg")
+        mean = tensor.clone()
+        pending = self.engine.iallreduce_(mean, op="avg")
+
+        def blend() -> torch.Tensor:
+            pending.wait()
+            return tensor.mul_(1.0 - scale).add_(mean, alpha=scale)
+
+        return Handle(blend, pending.done)
 
     def wait(self, handle: Handle) -> Any:
         """Wait for a handle (engine handles count their own blocked time as communication)."""
@@ -309,44 +383,85 @@ class DecentralizedOptimizer:
             self._pre_hook.remove()
             self._pre_hook = None
 
+    # what a class checks before any rank starts ------------------------------
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        """Raise ConfigError (``algorithm.<key>=<value>; allowed: ...``) for an option out of its range.
+
+        Checks the options given, any subset of the constructor's keywords:
+        the driver passes a YAML's options before any rank starts, and the
+        constructor its own. Which keys exist and their types are the
+        signature's to say. Words are checked against the ``Literal`` of
+        their annotation, so a subclass states its words once.
+        """
+        for key, words in _word_options(cls).items():
+            if key in options and options[key] not in words:
+                raise ConfigError(f"algorithm.{key}={options[key]!r}; allowed: {', '.join(map(str, words))}")
+        if "communication_period" in options:
+            period = options["communication_period"]
+            if not (isinstance(period, int) and not isinstance(period, bool) and period >= 1):
+                raise ConfigError(f"algorithm.communication_period={period}; allowed: an integer >= 1")
+        if "bucket_mb" in options:
+            bucket_mb = options["bucket_mb"]
+            number = isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
+            if not (number and math.isfinite(bucket_mb) and bucket_mb > 0):
+                raise ConfigError(f"algorithm.bucket_mb={bucket_mb}; allowed: a finite number > 0")
+        if options.get("overlap") and not cls.overlaps:
+            raise ConfigError(f"algorithm.overlap=true; allowed: false (algorithm={cls.name} sends what the "
+                              "finished step made, so nothing overlaps it)")
+        every = options.get("global_average_every", 0)
+        if not (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
+            raise ConfigError(f"algorithm.global_average_every={every}; allowed: an integer >= 0 (0 = never)")
+        if every and not cls.uses_topology:
+            raise ConfigError(f"algorithm.global_average_every={every}; allowed: 0, since algorithm={cls.name} "
+                              "averages exactly already")
+
+    @classmethod
+    def traffic_of(cls, **options: Any) -> Traffic:
+        """What one communicating step sends with these options (the cost model prices it).
+
+        ``traffic`` refined by the options: with ``global_average_every`` G, every
+        G-th exchange is an allreduce (Gossip-PGA). Rules whose messages depend on
+        other options (a compressor, where the outer average runs) refine it further.
+        """
+        every = int(options.get("global_average_every", 0) or 0)
+        return dataclasses.replace(cls.traffic, global_every=every) if every else cls.traffic
+
+    @classmethod
+    def check_run(cls, engine: type[Engine], *, throughput_only: bool, modeled: bool) -> None:
+        """Raise a ConfigError-family error (one line) when this rule cannot run such a job.
+
+        ``engine`` is the engine class the ranks will run on (its class facts:
+        ``processes``, ``virtual``, ``device_type``); ``throughput_only``: the
+        job times step() alone on its ranks; ``modeled``: no rank runs, the
+        cost model prices the step. Every rule here runs anywhere unless it
+        says otherwise.
+        """
+
     # topology requirements -------------------------------------------------
     @classmethod
     def check_topology(cls, topology: Topology) -> None:
+        """Raise TopologyMismatch (one line: what the rule needs, how far W is from it, the fix) unless W fits."""
         req = cls.requires
+        if req.static and topology.is_dynamic:
+            raise TopologyMismatch(
+                f"algorithm={cls.name} needs a static topology; topology={topology.label} changes every iteration "
+                f"(period {topology.period}); allowed: a static graph"
+            )
         checks = [
-            (req.static, not topology.is_dynamic, "a static topology"),
-            (req.symmetric, topology.is_symmetric(), "a symmetric mixing matrix"),
-            (req.doubly_stochastic, topology.is_doubly_stochastic(), "a doubly stochastic mixing matrix"),
-            (req.row_stochastic, topology.is_row_stochastic(), "a row stochastic mixing matrix"),
-            (req.column_stochastic, topology.is_column_stochastic(), "a column stochastic mixing matrix"),
+            (req.symmetric, topology.is_symmetric, "symmetric", "a symmetric mixing matrix"),
+            (req.doubly_stochastic, topology.is_doubly_stochastic, "doubly", "a doubly stochastic mixing matrix"),
+            (req.row_stochastic, topology.is_row_stochastic, "row", "a row stochastic mixing matrix (row sums 1)"),
+            (req.column_stochastic, topology.is_column_stochastic, "column",
+             "a column stochastic mixing matrix (column sums 1)"),
         ]
-        for needed, ok, what in checks:
-            if needed and not ok:
+        for needed, ok, need, what in checks:
+            if needed and not ok():
+                detail, fix = topology.explain(need)
                 raise TopologyMismatch(
                     f"algorithm={cls.name} needs {what}; topology={topology.label} "
-                    f"with weights={topology.weight_scheme} does not give one{cls.topology_hint(what)}"
+                    f"with weights={topology.weight_scheme}: {detail}; allowed: {fix}"
                 )
-
-    @classmethod
-    def topology_hint(cls, missing: str) -> str:
-        if "column" in missing:
-            return "; allowed: topology.weights=column (or a regular graph)"
-        if "symmetric" in missing:
-            return "; allowed: an undirected graph (e.g. symmetric_exp2, or topology.undirected())"
-        if "doubly" in missing:
-            return "; allowed: a regular graph, or an undirected one with topology.weights=metropolis"
-        if "row" in missing:
-            return "; allowed: topology.weights=uniform or metropolis"
-        return ""
-
-    @classmethod
-    def check_engine(cls, engine: str) -> None:
-        """Raise ValueError (one line) when the rule cannot run on this engine."""
-
-    @classmethod
-    def check_job(cls, cfg: Any, engine: str) -> None:
-        """Raise ValueError (one line) when the job's config cannot run this rule (before any rank starts)."""
-        cls.check_engine(engine)
 
     @classmethod
     def resolve_topology(cls, topology: Topology) -> tuple[Topology, str | None]:
@@ -370,6 +485,16 @@ class DecentralizedOptimizer:
             self._begin()
 
 
+@dataclass(frozen=True)
+class GlobalAverage(RankWeights):
+    """One rank's row and column of J = 11^T / n: every weight 1/n (Gossip-PGA's exact average)."""
+
+    @classmethod
+    def of(cls, rank: int, size: int) -> "GlobalAverage":
+        others = {j: 1.0 / size for j in range(size) if j != rank}
+        return cls(1.0 / size, others, dict(others))
+
+
 class _BeginHook:
     """Forward pre-hook that begins the owner's iteration.
 
@@ -387,6 +512,23 @@ class _BeginHook:
 
     def __deepcopy__(self, memo: dict) -> "_BeginHook":
         return _BeginHook(None)
+
+
+@functools.cache
+def _word_options(cls: type[DecentralizedOptimizer]) -> dict[str, tuple[Any, ...]]:
+    """{option: its allowed words} for every keyword of cls's constructors annotated with a Literal."""
+    words: dict[str, tuple[Any, ...]] = {}
+    inits = [vars(k)["__init__"] for k in cls.__mro__[: cls.__mro__.index(DecentralizedOptimizer) + 1]
+             if "__init__" in vars(k)]
+    for init in inits:
+        try:
+            hints = typing.get_type_hints(init)
+        except NameError:  # an annotation only a type checker can resolve: no words to check there
+            continue
+        for key, hint in hints.items():
+            if typing.get_origin(hint) is Literal:
+                words.setdefault(key, typing.get_args(hint))
+    return words
 
 
 def _unique(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

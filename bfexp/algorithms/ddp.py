@@ -11,7 +11,8 @@ MASTER_ADDR / MASTER_PORT already in the environment wins.
 The model must be called through ``self.module`` (the DDP wrapper): DDP
 averages gradients in backward hooks and overlaps that with backward.
 ``overlap=false`` puts every gradient in one bucket, so the allreduce only
-starts once backward is done.
+starts once backward is done. DDP averages every step: communication_period
+is 1 (algorithm=allreduce runs local SGD).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import torch
 
 from bfexp.algorithms.base import DecentralizedOptimizer
 from bfexp.comm.engine import Engine
+from bfexp.costmodel import Traffic
+from bfexp.errors import ConfigError
+from bfexp.topology import Topology
 
 ADDRESS_BYTES = 256
-ENGINES = ("mpi", "nccl")  # one process per rank
 NO_OVERLAP_BUCKET_MB = 1 << 20  # one bucket for any model
 
 
@@ -60,40 +63,44 @@ def init_torch_distributed(engine: Engine, backend: str) -> None:
 class DDP(DecentralizedOptimizer):
     name: ClassVar[str] = "ddp"
     uses_topology: ClassVar[bool] = False
+    traffic: ClassVar[Traffic] = Traffic("allreduce")  # the gradient, as our allreduce baseline
 
     @classmethod
-    def check_engine(cls, engine: str) -> None:
-        if engine not in ENGINES:
-            raise ValueError(
-                f"algorithm=ddp needs one process per rank for torch.distributed; engine={engine} cannot give it; "
-                f"allowed: engine={' or engine='.join(ENGINES)}"
+    def check_options(cls, **options: Any) -> None:
+        super().check_options(**options)
+        if "communication_period" in options and options["communication_period"] != 1:
+            raise ConfigError(
+                f"algorithm.communication_period={options['communication_period']}; allowed: 1 "
+                "(algorithm=ddp averages gradients every step; algorithm=allreduce runs local SGD with a period)"
             )
 
     @classmethod
-    def check_job(cls, cfg: Any, engine: str) -> None:
-        super().check_job(cfg, engine)
-        # Throughput-only on ranks here times step() alone; a modeled cluster starts no rank.
-        if cfg.get("throughput_only", False) and not cfg.scaling.get("modeled", False):
-            raise ValueError(
+    def check_run(cls, engine: type[Engine], *, throughput_only: bool, modeled: bool) -> None:
+        if modeled:  # a modeled cluster starts no rank
+            return
+        if not engine.processes:
+            raise ConfigError(
+                f"engine={engine.name}; allowed: an engine with one process per rank (engine=mpi or engine=nccl): "
+                "algorithm=ddp runs torch.distributed, which needs one"
+            )
+        if throughput_only:  # throughput-only on ranks times step() alone
+            raise ConfigError(
                 "throughput_only=true times step() alone on these ranks, but algorithm=ddp communicates inside "
                 "backward; allowed: algorithm=allreduce (the same gradient averaging), a modeled scaling config, "
                 "or throughput_only=false"
             )
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.module is None:
-            raise ValueError("algorithm=ddp wraps the model: pass model=...")
-        if self.communication_period != 1:
-            raise ValueError(
-                f"algorithm.communication_period={self.communication_period}; algorithm=ddp allows only 1 "
-                "(use algorithm=allreduce for local SGD)"
-            )
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any
+    ) -> None:
+        if options.get("model") is None:
+            raise TypeError("algorithm=ddp wraps the model: pass model=...")
+        super().__init__(optimizer, engine, topology, **options)
         from torch.nn.parallel import DistributedDataParallel
 
         on_gpu = self.flat.is_cuda
         init_torch_distributed(self.engine, "nccl" if on_gpu else "gloo")
-        bucket_mb = float(self.cfg["bucket_mb"]) if self.overlap else NO_OVERLAP_BUCKET_MB
+        bucket_mb = self.bucket_mb if self.overlap else NO_OVERLAP_BUCKET_MB
         self.module = DistributedDataParallel(
             self.module,
             device_ids=[self.flat.device.index] if on_gpu else None,

@@ -25,27 +25,35 @@ whose size is O(a): the bias that exact diffusion and gradient tracking remove.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from bfexp.algorithms.base import DecentralizedOptimizer, Requirements
 from bfexp.algorithms.buckets import Bucket
-from bfexp.comm.engine import Handle
-
-STYLES = ("atc", "awc", "cta")
+from bfexp.comm.engine import Engine, Handle
+from bfexp.costmodel import Traffic
+from bfexp.topology import Topology
 
 
 class DSGD(DecentralizedOptimizer):
     name: ClassVar[str] = "dsgd"
     requires: ClassVar[Requirements] = Requirements(row_stochastic=True)
     bucketed: ClassVar[bool] = True  # atc adapts bucket by bucket
+    traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.style = self.cfg.get("style", "atc")
-        if self.style not in STYLES:
-            raise ValueError(f"algorithm.style={self.style!r}; allowed: {', '.join(STYLES)}")
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        engine: Engine,
+        topology: Topology | None = None,
+        *,
+        style: Literal["atc", "awc", "cta"] = "atc",
+        **options: Any,
+    ) -> None:
+        self.check_options(style=style)
+        self.style = style
+        super().__init__(optimizer, engine, topology, **options)
         self._exchange: Handle | None = None  # awc: W X in flight; cta: W X+ in flight
         # awc and cta mix a copy of the model in place (the model itself stays usable meanwhile)
         self.mixed = torch.empty_like(self.flat) if self.style != "atc" else None

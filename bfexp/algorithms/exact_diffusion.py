@@ -13,8 +13,10 @@ constant step every rank converges to the exact optimum of sum_i f_i.
 The theory needs a static, symmetric, doubly stochastic W. A topology that
 is not but has an undirected form (exp2 -> symmetric exp2; a star or grid
 given uniform weights -> the same graph with Metropolis-Hastings weights)
-runs on that form; ``resolve_topology`` says so. A graph the user declared
-directed has none, and is refused.
+runs on that form; ``resolve_topology`` says so (the CLI prints it as a
+note, constructing ExactDiffusion directly warns with a UserWarning naming
+both graphs, and ``.topology`` is the form it runs on). A graph the user
+declared directed has none, and is refused.
 
 Local SGD (communication_period H > 1): the H local optimizer steps taken
 between two rounds play the part of "adapt" (as in Local Exact-Diffusion),
@@ -23,13 +25,15 @@ so x_k and psi_k are the values at the last round; H = 1 is the paper's rule.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from bfexp.algorithms.base import DecentralizedOptimizer, Requirements, TopologyMismatch
+from bfexp.algorithms.base import DecentralizedOptimizer, Requirements
 from bfexp.algorithms.buckets import Bucket
-from bfexp.comm.engine import Handle
+from bfexp.comm.engine import Engine, Handle
+from bfexp.costmodel import Traffic
+from bfexp.errors import TopologyMismatch
 from bfexp.topology import Topology
 
 
@@ -37,9 +41,12 @@ class ExactDiffusion(DecentralizedOptimizer):
     name: ClassVar[str] = "exact_diffusion"
     requires: ClassVar[Requirements] = Requirements(doubly_stochastic=True, symmetric=True, static=True)
     bucketed: ClassVar[bool] = True
+    traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any
+    ) -> None:
+        super().__init__(optimizer, engine, topology, **options)
         self.x_last = self.flat.clone()  # x_k: the combined model of the last round
         self.psi = self.flat.clone()  # psi_k; psi_0 = x_0
         self.correction = torch.empty_like(self.flat)  # x_k - psi_k

@@ -31,27 +31,35 @@ The atc form mixes its tracker bucket by bucket during backward, then the model.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from bfexp.algorithms.base import DecentralizedOptimizer, Requirements, flat_grad, set_flat_grad_
 from bfexp.algorithms.buckets import Bucket
-from bfexp.comm.engine import Handle
-
-FORMS = ("diging", "atc")
+from bfexp.comm.engine import Engine, Handle
+from bfexp.costmodel import Traffic
+from bfexp.topology import Topology
 
 
 class GradientTracking(DecentralizedOptimizer):
     name: ClassVar[str] = "gradient_tracking"
     requires: ClassVar[Requirements] = Requirements(doubly_stochastic=True)
     bucketed: ClassVar[bool] = True  # the atc form mixes its tracker bucket by bucket
+    traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=2)  # x and y
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.form = self.cfg.get("form", "diging")
-        if self.form not in FORMS:
-            raise ValueError(f"algorithm.form={self.form!r}; allowed: {', '.join(FORMS)}")
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        engine: Engine,
+        topology: Topology | None = None,
+        *,
+        form: Literal["diging", "atc"] = "diging",
+        **options: Any,
+    ) -> None:
+        self.check_options(form=form)
+        self.form = form
+        super().__init__(optimizer, engine, topology, **options)
         if self.form == "diging" and self.buckets is not None:  # only the atc form mixes by bucket
             self.buckets.remove()
             self.buckets = None
@@ -60,9 +68,10 @@ class GradientTracking(DecentralizedOptimizer):
         self.y = torch.zeros_like(self.flat)
         self.grad_prev = torch.zeros_like(self.flat)
         self.grad = torch.zeros_like(self.flat)
-        # DIGing: x and y share one message when every iteration mixes with the same W.
+        # DIGing: x and y share one message when every iteration mixes with the same W
+        # (not with Gossip-PGA, whose averaging rounds use J).
         assert self.topology is not None
-        self.fused = not self.topology.is_dynamic and self.communication_period == 1
+        self.fused = not self.topology.is_dynamic and self.communication_period == 1 and not self.global_average_every
         # DIGing mixes copies in place: [x | y] in one buffer (fused), else one each.
         self.mixed = torch.zeros(2 * n, dtype=self.flat.dtype, device=self.flat.device) if self.form == "diging" else None
         self._x_exchange: Handle | None = None  # W(k) x_k (fused: [W x_k, W y_{k-1}])

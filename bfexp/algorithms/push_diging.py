@@ -16,19 +16,25 @@ it needs this step's gradient, so it is sent in step().
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from bfexp.algorithms.base import DecentralizedOptimizer, Requirements, flat_grad
+from bfexp.comm.engine import Engine
+from bfexp.costmodel import Traffic
+from bfexp.topology import Topology
 
 
 class PushDIGing(DecentralizedOptimizer):
     name: ClassVar[str] = "push_diging"
     requires: ClassVar[Requirements] = Requirements(column_stochastic=True)
+    traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=2, scalars=1)  # [u | v | y] in one message
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any
+    ) -> None:
+        super().__init__(optimizer, engine, topology, **options)
         n = self.flat.numel()
         # What a round pushes, in one buffer mixed in place: [u | v | y].
         self.pushed = torch.zeros(2 * n + 1, dtype=self.flat.dtype, device=self.flat.device)

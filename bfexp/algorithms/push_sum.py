@@ -22,22 +22,27 @@ the first bucket (the end of the buffer).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from bfexp.algorithms.base import DecentralizedOptimizer, Requirements
 from bfexp.algorithms.buckets import Bucket
-from bfexp.comm.engine import Handle
+from bfexp.comm.engine import Engine, Handle
+from bfexp.costmodel import Traffic
+from bfexp.topology import Topology
 
 
 class PushSum(DecentralizedOptimizer):
     name: ClassVar[str] = "push_sum"
     requires: ClassVar[Requirements] = Requirements(column_stochastic=True)
     bucketed: ClassVar[bool] = True
+    traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1, scalars=1)  # w travels with x
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any
+    ) -> None:
+        super().__init__(optimizer, engine, topology, **options)
         n = self.flat.numel()
         self.numerator = torch.empty(n + 1, dtype=self.flat.dtype, device=self.flat.device)
         self.numerator[:n] = self.flat  # x_0 = z_0

@@ -1,5 +1,35 @@
-"""Communication engines behind one contract (engine.Engine)."""
+"""Communication engines behind one contract (bfexp.comm.engine.Engine).
 
-from bfexp.comm.engine import CommError, Engine, Handle
+``engine_class(name)`` imports an engine's module only when asked for it:
+importing bfexp.comm initializes neither MPI nor CUDA (nor imports torch),
+so the driver process can look engines up and read their facts (``virtual``,
+``processes``, ``device_type``, ``available``) without becoming an MPI rank.
+"""
 
-__all__ = ["CommError", "Engine", "Handle"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from bfexp.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from bfexp.comm.engine import Engine
+
+__all__ = ["ENGINES", "engine_class"]
+
+# engine name -> (module, class); the modules are imported on demand.
+ENGINES = {
+    "mpi": ("bfexp.comm.mpi", "MPIEngine"),
+    "nccl": ("bfexp.comm.nccl", "NCCLEngine"),
+    "threads": ("bfexp.comm.threads", "ThreadsEngine"),
+}
+
+
+def engine_class(name: str) -> "type[Engine]":
+    """The Engine class of ``engine=name`` (imported now); ConfigError for a name that is none."""
+    try:
+        module, cls = ENGINES[name]
+    except KeyError:
+        raise ConfigError(f"engine={name}; allowed: {', '.join(ENGINES)}") from None
+    return getattr(importlib.import_module(module), cls)

@@ -1,4 +1,4 @@
-"""The Engine contract: every communication backend implements this.
+"""The Engine contract, and its semantics written once: engines supply only transport.
 
 Engines move torch tensors between ranks. A *list* of tensors always travels
 as ONE fused message per peer (one flat buffer), because per-tensor messages
@@ -14,9 +14,10 @@ Weights (shared by every engine and by the topology package):
   sent to i (1 when the sender gave a plain list of destinations). Receivers
   weigh for row-stochastic mixing; senders scale for column-stochastic
   (push-sum) mixing. Both are per call, so dynamic topologies work; left out,
-  they come from the static topology (``set_topology``). The engine combines
-  in one order: ``x * self_weight``, then ``add_`` of each source in
-  ``src_weights`` order, so engines agree to the bit where their inputs do.
+  they come from the static topology (``set_topology``). The combine has one
+  order, ``weighted_combine_``: ``x * self_weight``, then ``add_`` of each
+  source in ``src_weights`` order, so engines agree to the bit where their
+  inputs do.
 
 Operations (tensor or list of tensors in, new tensor(s) out):
 
@@ -44,8 +45,9 @@ tensors of tens of MB costs more than the communication (fresh pages fault).
 
 Mismatched declarations (rank 3 expects from 1, but 1 does not send to 3;
 or peers that disagree on sizes or dtypes) raise CommError on *every* rank,
-naming the ranks, instead of hanging. A single rank works: every op is then
-local (a neighbor op returns ``self_weight * x``).
+naming the ranks, instead of hanging (bfexp.comm.declarations judges them,
+for every engine). A single rank works: every op is then local (a neighbor
+op returns ``self_weight * x``).
 
 One-sided windows, for asynchronous algorithms (push-sum, gossip):
 
@@ -59,7 +61,8 @@ One-sided windows, for asynchronous algorithms (push-sum, gossip):
   k's slot for this rank := ``w_k * (t, p)``. ``t`` defaults to the own
   value. With ``self_weight`` the own value then becomes
   ``self_weight * (t, p)``.
-* ``win_accumulate(...)``: the same, but adds ``w_k * (t, p)`` to the slot.
+* ``win_accumulate(...)``: the same, but adds ``w_k * (t, p)`` to the slot
+  (half precision is added in float32).
 * ``win_get(name, src_weights)``: for each in-neighbor j, this rank's slot
   for j := ``w_j * (own value of j, p_j)``.
 * ``win_update(name, self_weight, src_weights, reset)``: own value :=
@@ -76,48 +79,74 @@ never sees half of a put, and the weight always moves with its data.
 Put/accumulate/get/update have nonblocking ``i`` twins; create and free are
 collective set-up calls and block. After a put and a barrier the target's
 slot holds the value; a get sees whatever the source's own value is then.
+
+How an engine plugs in: the Engine class below defines every public form
+once (checks, defaults from the topology, single-rank ops, the combine, the
+window arithmetic, timing) and calls the engine's transport hooks, which
+return ``(wait, done)`` for work they posted:
+
+* ``_post_allreduce(call, op, blocking)``, ``_post_broadcast(call, root)``,
+  ``_post_allgather(call)``, ``_post_barrier(blocking)``,
+  ``_post_neighbor_allreduce(call, spec, declaration, blocking)``,
+  ``_post_neighbor_allgather(call, declaration, srcs, dsts)``,
+  ``_post_hierarchical(call, spec, declaration)``: ``call`` (a Call) holds
+  the caller's tensors fused and hands the result back (``deliver``,
+  ``combine``); ``blocking`` says the caller waits at once (an engine may
+  then pick another algorithm: MPI's blocking collectives add in their own
+  order);
+* ``_declare_all(declaration)``: every rank's declaration, blocking;
+* windows: ``_win_allocate``, ``_win_release``, ``_win_send`` (write or add
+  one slot of a peer), ``_win_fetch`` (read a peer's own value) and
+  ``_run_window_op`` (run now, or on a helper thread); a Window's
+  ``exclusive()`` guards this rank's own window memory.
+
+Engine facts are class attributes: ``name`` ("mpi", "nccl", "threads"),
+``virtual`` (ranks are threads of one process), ``processes`` (one OS
+process per rank, started by mpiexec) and ``device_type`` ("cpu", "cuda").
 """
 
 from __future__ import annotations
 
 import abc
 import atexit
+import functools
 import time
-import zlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
+
+from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDeclaration, Table, WindowDeclaration
+from bfexp.errors import CommError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from bfexp.timeline import Timeline
     from bfexp.topology import Topology
 
+__all__ = [
+    "Call",
+    "CommError",
+    "DstWeights",
+    "Engine",
+    "Handle",
+    "NeighborSpec",
+    "Pending",
+    "TensorOrList",
+    "Weights",
+    "Window",
+    "weighted_combine_",
+]
+
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 Weights = Mapping[int, float]
 DstWeights = Union[Mapping[int, float], Sequence[int]]
+# What a transport hook returns for work it posted: wait() -> result, and done() (None: nothing in flight).
+Pending = tuple[Callable[[], Any], Union[Callable[[], bool], None]]
 
 AVERAGING_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-# Small codes so dtypes can be compared across ranks inside integer declarations.
-DTYPE_CODES = {
-    torch.float32: 1,
-    torch.float64: 2,
-    torch.float16: 3,
-    torch.bfloat16: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-    torch.bool: 10,
-}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-
-
-class CommError(RuntimeError):
-    """A communication pattern that cannot complete (e.g. mismatched neighbors)."""
 
 
 class Handle:
@@ -125,8 +154,8 @@ class Handle:
 
     ``wait()`` blocks until the result is ready and returns it (a tensor, a
     list of tensors, or None); ``done()`` polls without blocking. ``wait`` may
-    be called more than once and returns the same result. ``on_finish`` (set
-    by engines) is told when the wait began and ended, for timing.
+    be called more than once and returns the same result. ``on_finish`` is
+    told when the wait began and ended, for timing.
     """
 
     def __init__(
@@ -140,14 +169,6 @@ class Handle:
         self._on_finish = on_finish
         self._finished = False
         self._result: Any = None
-
-    @classmethod
-    def completed(cls, result: Any) -> "Handle":
-        """A handle for work that already finished (e.g. a single-rank op)."""
-        handle = cls(lambda: result)
-        handle._finished = True
-        handle._result = result
-        return handle
 
     def wait(self) -> Any:
         if not self._finished:
@@ -234,60 +255,12 @@ def is_view_of(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
     return flat.data_ptr() == tensors[0].data_ptr() and flat.numel() > 0
 
 
-def fuse_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Copy the tensors back to back into the flat ``out`` (which may have another dtype)."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        out[offset : offset + n].view(t.shape).copy_(t.detach())
-        offset += n
-    return out
-
-
 def unfuse(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Split a flat buffer back into tensors shaped like ``like`` (views, no copy)."""
     if len(like) == 1:
         return [flat.view(like[0].shape)]
     parts = torch.split(flat, [t.numel() for t in like])
     return [p if t.dim() == 1 else p.view(t.shape) for p, t in zip(parts, like)]
-
-
-def restore(flat: torch.Tensor, like: Sequence[torch.Tensor], single: bool) -> TensorOrList:
-    """Give the caller back the shape it passed: one tensor or a list."""
-    parts = unfuse(flat, like)
-    return parts[0] if single else parts
-
-
-def copy_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor], single: bool) -> TensorOrList:
-    """Write a flat result into the caller's tensors (skipped where it already is them)."""
-    if not is_view_of(flat, tensors):
-        for t, part in zip(tensors, unfuse(flat, tensors)):
-            t.detach().copy_(part)
-    return tensors[0] if single else list(tensors)
-
-
-def weighted_combine_(out: torch.Tensor, self_weight: float, received: Sequence[tuple[torch.Tensor, float]]) -> torch.Tensor:
-    """``out = self_weight * out + sum w * r`` in place, in the contract's order."""
-    if self_weight != 1.0:
-        out.mul_(self_weight)
-    for r, w in received:
-        out.add_(r, alpha=w)
-    return out
-
-
-def normalize_dst(dst_weights: DstWeights | None) -> dict[int, float] | None:
-    """A list of destination ranks means 'send unscaled' (weight 1)."""
-    if dst_weights is None:
-        return None
-    if isinstance(dst_weights, Mapping):
-        return {int(k): float(v) for k, v in dst_weights.items()}
-    return {int(k): 1.0 for k in dst_weights}
-
-
-def shape_signature(tensors: Sequence[torch.Tensor]) -> int:
-    """A number that is equal on two ranks when their lists agree on count and trailing shapes."""
-    text = ";".join(",".join(map(str, t.shape[1:])) for t in tensors)
-    return zlib.crc32(f"{len(tensors)}|{text}".encode())
 
 
 def first_dims(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -300,8 +273,136 @@ def rows_shape(t: torch.Tensor, rows: int) -> tuple[int, ...]:
     return (rows, *t.shape[1:]) if t.dim() else (rows,)
 
 
-def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def row_numel(t: torch.Tensor) -> int:
+    """Elements in one row (dim 0 slice) of ``t``; a 0-d tensor is one row of one."""
+    n = 1
+    for d in t.shape[1:]:
+        n *= int(d)
+    return n
+
+
+def ungather(
+    buffers: Sequence[torch.Tensor], rows: Sequence[Sequence[int]], like: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Per tensor of ``like``, every source's rows concatenated along dim 0 (new tensors).
+
+    ``buffers[i]`` is source i's fused list (it may be longer: padding is
+    ignored) and ``rows[i]`` its first dimensions, one per tensor.
+    """
+    if not buffers:
+        return [torch.empty(rows_shape(t, 0), dtype=t.dtype, device=t.device) for t in like]
+    per_tensor: list[list[torch.Tensor]] = [[] for _ in like]
+    for buffer, counts in zip(buffers, rows):
+        offset = 0
+        for parts, t, count in zip(per_tensor, like, counts):
+            n = int(count) * row_numel(t)
+            parts.append(buffer[offset : offset + n].view(rows_shape(t, int(count))))
+            offset += n
+    return [torch.cat(parts) for parts in per_tensor]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are taken in: float32 for half precision, else the dtype itself."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def weighted_combine_(out: torch.Tensor, self_weight: float, received: Sequence[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """``out = self_weight * out + sum w * r`` in place, in the contract's one order."""
+    if self_weight != 1.0:
+        out.mul_(self_weight)
+    for r, w in received:
+        out.add_(r, alpha=w)
+    return out
+
+
+def accumulate_(slot: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+    """``slot += payload`` as windows add: half precision in float32 (MPI cannot add it)."""
+    if slot.dtype in HALF_DTYPES:
+        return slot.copy_((slot.float() + payload.float()).to(slot.dtype))
+    return slot.add_(payload)
+
+
+class Call:
+    """One call's tensors, fused into one flat buffer, and how its result goes back to the caller.
+
+    ``flat`` is fused on first use (an engine may need to fuse on its own
+    stream). ``inplace``: the result is written into the caller's tensors,
+    which are returned; otherwise new tensors shaped like them.
+    """
+
+    def __init__(self, tensors: TensorOrList, inplace: bool = False) -> None:
+        self.tensors, self.single = as_list(tensors)
+        self.inplace = inplace
+        self.meta: dict[str, Any] = {}  # what the timeline records with the op
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = fuse(self.tensors)
+        return self._flat
+
+    @property
+    def view(self) -> bool:
+        """Whether ``flat`` is the caller's own memory (then it must not be written unless in place)."""
+        return is_view_of(self.flat, self.tensors)
+
+    @functools.cached_property
+    def numel(self) -> int:
+        return self._flat.numel() if self._flat is not None else sum(t.numel() for t in self.tensors)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.tensors[0].element_size()  # a fused list has one dtype
+
+    def out_buffer(self) -> torch.Tensor:
+        """A flat buffer the result may be written into: ``flat`` unless that is the caller's memory
+        and the caller wants new tensors."""
+        return self.flat if (self.inplace or not self.view) else torch.empty_like(self.flat)
+
+    def writable(self) -> torch.Tensor:
+        """``out_buffer()`` holding the input."""
+        return self.flat if (self.inplace or not self.view) else self.flat.clone()
+
+    def snapshot(self) -> torch.Tensor:
+        """The input as a buffer the caller cannot change any more (sends read later)."""
+        return self.flat.clone() if self.view else self.flat
+
+    def deliver(self, out: torch.Tensor) -> TensorOrList:
+        """The flat result, as the caller asked for it: written into its tensors, or new ones shaped like them."""
+        if self.inplace:
+            if not is_view_of(out, self.tensors):
+                for t, part in zip(self.tensors, unfuse(out, self.tensors)):
+                    t.detach().copy_(part)
+            return self.tensors[0] if self.single else list(self.tensors)
+        parts = unfuse(out, self.tensors)
+        return parts[0] if self.single else parts
+
+    def as_given(self, outs: list[torch.Tensor]) -> TensorOrList:
+        """One tensor or a list, as the caller passed."""
+        return outs[0] if self.single else outs
+
+    def combine(self, spec: NeighborSpec, received: Mapping[int, torch.Tensor]) -> TensorOrList:
+        """The neighbor combine of this call's tensors with what arrived, delivered."""
+        pairs = [(received[s], w) for s, w in spec.src_weights.items()]
+        if self.view and not self.inplace:  # the caller's memory: combine into a new tensor
+            out = weighted_combine_(self.flat * spec.self_weight, 1.0, pairs)
+        else:  # our fused copy, or the caller asked for in place
+            out = weighted_combine_(self.flat, spec.self_weight, pairs)
+        return self.deliver(out)
+
+
+def normalize_dst(dst_weights: DstWeights | None) -> dict[int, float] | None:
+    """A list of destination ranks means 'send unscaled' (weight 1)."""
+    if dst_weights is None:
+        return None
+    if isinstance(dst_weights, Mapping):
+        return {int(k): float(v) for k, v in dst_weights.items()}
+    return {int(k): 1.0 for k in dst_weights}
 
 
 @dataclass
@@ -313,52 +414,56 @@ class NeighborSpec:
     dst_weights: dict[int, float]
 
 
-# ---------------------------------------------------------------- declarations
+def local_size_for(size: int, ranks_per_machine: int) -> int:
+    """Ranks per machine (0: all on one), which must divide the ranks."""
+    if ranks_per_machine < 0 or (ranks_per_machine and size % ranks_per_machine):
+        raise ConfigError(
+            f"engine.ranks_per_machine={ranks_per_machine}; allowed: 0 (one machine) or a divisor of ranks={size}"
+        )
+    return ranks_per_machine or size
 
 
-def pattern_problems(
-    op: str,
-    sends: np.ndarray,
-    expects: np.ndarray,
-    numels: Sequence[int] | None = None,
-    dtypes: Sequence[int] | None = None,
-    unit: str = "rank",
-) -> list[str]:
-    """What is wrong with one exchange, seen from every participant's declaration.
+# ---------------------------------------------------------------- windows
 
-    ``sends[j, i]``: j declared it sends to i; ``expects[i, j]``: i declared
-    it receives from j. With ``numels``/``dtypes``, every edge must also move
-    as many elements of one dtype as its receiver expects. Every rank that
-    computes this from the same gathered declarations gets the same list,
-    so every rank can raise the same error.
+
+class Window(abc.ABC):
+    """One rank's part of a window: its own value and one slot per in-neighbor, each with a push-sum weight.
+
+    ``data`` is ``(1 + len(srcs), numel)``: row 0 the own value, row ``1 + i``
+    the slot of ``srcs[i]`` (ascending rank); ``weights`` (float64) holds
+    their weights in the same order. Engines keep them where peers reach them.
     """
-    problems = []
-    mismatch = np.argwhere(sends.T != expects)  # (i, j) pairs
-    for i, j in mismatch.tolist():
-        if expects[i, j]:
-            problems.append(f"{unit} {i} expects to receive from {unit} {j}, but {unit} {j} does not send to {unit} {i}")
-        else:
-            problems.append(f"{unit} {j} sends to {unit} {i}, but {unit} {i} does not expect to receive from {unit} {j}")
-    edges = sends.T & expects  # (i, j): j sends to i and i expects it
-    if numels is not None:
-        numels = np.asarray(numels)
-        for i, j in np.argwhere(edges & (numels[:, None] != numels[None, :])).tolist():
-            problems.append(f"{unit} {j} sends {numels[j]} elements to {unit} {i}, which has {numels[i]}")
-    if dtypes is not None:
-        dtypes = np.asarray(dtypes)
-        for i, j in np.argwhere(edges & (dtypes[:, None] != dtypes[None, :])).tolist():
-            problems.append(
-                f"{unit} {j} sends {CODE_DTYPES.get(int(dtypes[j]))} to {unit} {i}, "
-                f"which has {CODE_DTYPES.get(int(dtypes[i]))}"
-            )
-    return problems
 
+    def __init__(self, name: str, srcs: list[int], dsts: list[int], data: torch.Tensor, weights: np.ndarray) -> None:
+        self.name = name
+        self.srcs = srcs
+        self.dsts = dsts
+        self.data = data
+        self.weights = weights
+        self.own = data[0]
 
-def mismatch_error(op: str, problems: list[str], limit: int = 4) -> CommError:
-    """One clear message for a broken exchange (the first few problems, then a count)."""
-    shown = "; ".join(problems[:limit])
-    more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
-    return CommError(f"{op}: send/receive declarations do not match: {shown}{more}")
+    @abc.abstractmethod
+    def exclusive(self) -> AbstractContextManager:
+        """Hold this rank's window memory: no put, get or update of a peer touches it meanwhile."""
+
+    @property
+    def weight(self) -> float:
+        return float(self.weights[0])
+
+    @property
+    def numel(self) -> int:
+        return self.own.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.own.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.own.numel() * self.own.element_size()
+
+    def slot_of(self, src: int) -> int:
+        return 1 + self.srcs.index(src)
 
 
 # ---------------------------------------------------------------- contract
@@ -373,18 +478,32 @@ class Engine(abc.ABC):
 
     ``comm_time_s`` accumulates the wall time this rank spent blocked in
     communication: whole blocking calls, plus posting and waiting for
-    nonblocking ones. ``timeline`` (a bfexp.timeline.Timeline), when set,
-    records every op (name, bytes, peers, start, end) and the time blocked.
+    nonblocking ones; ``bytes_sent`` the bytes it sent (``sent_bytes``).
+    ``timeline`` (a bfexp.timeline.Timeline), when set, records every op
+    (name, bytes, peers, start, end) and the time blocked.
     """
 
-    name: str = "abstract"
+    name: ClassVar[str]
+    virtual: ClassVar[bool]  # ranks are threads of one process
+    processes: ClassVar[bool]  # one OS process per rank, started by mpiexec
+    device_type: ClassVar[str]  # where its tensors live: "cpu" or "cuda"
+    # False skips the declaration check of neighbor_allreduce and hierarchical_neighbor_allreduce
+    # (one tiny Allgather per call): a mismatch then hangs, as raw MPI does.
+    check_neighbors: bool = True
 
     def __init__(self) -> None:
         self.topology: Topology | None = None
         self.machine_topology: Topology | None = None
         self.timeline: Timeline | None = None
         self.comm_time_s = 0.0  # wall time spent inside blocking comm calls / waits
+        self.bytes_sent = 0  # bytes this rank has put on the wire, as ``sent_bytes`` counts them
         self._blocking_depth = 0
+        self._windows: dict[str, Window] = {}
+
+    @classmethod
+    def available(cls, ranks: int, ranks_per_machine: int | None = None) -> tuple[bool, str]:
+        """Can ``ranks`` ranks of this engine run here? ``(True, '')`` or ``(False, what is missing)``."""
+        return True, ""
 
     # identity -----------------------------------------------------------
     @property
@@ -396,12 +515,12 @@ class Engine(abc.ABC):
     def size(self) -> int: ...
 
     @property
-    def local_rank(self) -> int:
-        return self.rank % self.local_size
+    def local_size(self) -> int:
+        return self._local_size
 
     @property
-    def local_size(self) -> int:
-        return getattr(self, "_local_size", self.size)
+    def local_rank(self) -> int:
+        return self.rank % self.local_size
 
     @property
     def machine(self) -> int:
@@ -432,11 +551,7 @@ class Engine(abc.ABC):
         self.machine_topology = topology
 
     def neighbor_spec(
-        self,
-        self_weight: float | None,
-        src_weights: Weights | None,
-        dst_weights: DstWeights | None,
-        t: int = 0,
+        self, self_weight: float | None, src_weights: Weights | None, dst_weights: DstWeights | None, t: int = 0
     ) -> NeighborSpec:
         """Fill weights left out of a call from the static topology (iteration ``t``).
 
@@ -446,10 +561,7 @@ class Engine(abc.ABC):
         return _spec(self_weight, src_weights, dst_weights, self.topology, self.rank, self.size, t, "rank")
 
     def machine_spec(
-        self,
-        self_weight: float | None,
-        src_weights: Weights | None,
-        dst_weights: DstWeights | None,
+        self, self_weight: float | None, src_weights: Weights | None, dst_weights: DstWeights | None
     ) -> NeighborSpec:
         """Like neighbor_spec, among machines (weights keyed by machine index)."""
         return _spec(
@@ -470,164 +582,274 @@ class Engine(abc.ABC):
             _check_peer(r, self.rank, self.size, "rank")
         return srcs, dsts
 
-    # collectives --------------------------------------------------------
-    @abc.abstractmethod
-    def iallreduce(self, tensors: TensorOrList, op: str = "avg") -> Handle:
-        """Sum or average (``op`` in {'sum', 'avg'}) across all ranks; returns new tensor(s)."""
-
+    # collectives: the public forms --------------------------------------
     def allreduce(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
-        return self._blocking("allreduce", lambda: self.iallreduce(tensors, op).wait())
-
-    def iallreduce_(self, tensors: TensorOrList, op: str = "avg") -> Handle:
-        """allreduce written into ``tensors``."""
-        return self._into(tensors, self.iallreduce(tensors, op))
+        """Sum or average (``op`` in {'sum', 'avg'}) across all ranks; new tensor(s)."""
+        return self._blocking("allreduce", lambda: self._allreduce(tensors, op, inplace=False, blocking=True).wait())
 
     def allreduce_(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
-        return self._blocking("allreduce_", lambda: self.iallreduce_(tensors, op).wait())
+        """allreduce written into ``tensors`` (returned)."""
+        return self._blocking("allreduce_", lambda: self._allreduce(tensors, op, inplace=True, blocking=True).wait())
 
-    def iallgather(self, tensors: TensorOrList) -> Handle:
-        """Every rank's tensor(s) concatenated along dim 0 in rank order (dim 0 may differ)."""
-        raise NotImplementedError(f"engine {self.name} has no allgather")
+    def iallreduce(self, tensors: TensorOrList, op: str = "avg") -> Handle:
+        return self._allreduce(tensors, op, inplace=False, blocking=False)
+
+    def iallreduce_(self, tensors: TensorOrList, op: str = "avg") -> Handle:
+        return self._allreduce(tensors, op, inplace=True, blocking=False)
 
     def allgather(self, tensors: TensorOrList) -> TensorOrList:
+        """Every rank's tensor(s) concatenated along dim 0 in rank order (dim 0 may differ)."""
         return self._blocking("allgather", lambda: self.iallgather(tensors).wait())
 
-    @abc.abstractmethod
-    def ibroadcast(self, tensors: TensorOrList, root: int = 0) -> Handle:
-        """Root's value(s) on every rank; returns new tensor(s)."""
+    def iallgather(self, tensors: TensorOrList) -> Handle:
+        started = time.perf_counter()
+        call = Call(tensors)
+        if self.size == 1:
+            rows = [t.detach().reshape(rows_shape(t, d)).clone() for t, d in zip(call.tensors, first_dims(call.tensors))]
+            return self._track("allgather", call.nbytes, started, lambda: call.as_given(rows), None)
+        return self._track("allgather", call.nbytes, started, *self._post_allgather(call))
 
     def broadcast(self, tensors: TensorOrList, root: int = 0) -> TensorOrList:
-        return self._blocking("broadcast", lambda: self.ibroadcast(tensors, root).wait())
-
-    def ibroadcast_(self, tensors: TensorOrList, root: int = 0) -> Handle:
-        """broadcast written into ``tensors``."""
-        return self._into(tensors, self.ibroadcast(tensors, root))
+        """Root's value(s) on every rank; new tensor(s)."""
+        return self._blocking("broadcast", lambda: self._broadcast(tensors, root, inplace=False).wait())
 
     def broadcast_(self, tensors: TensorOrList, root: int = 0) -> TensorOrList:
-        return self._blocking("broadcast_", lambda: self.ibroadcast_(tensors, root).wait())
+        """broadcast written into ``tensors`` (returned)."""
+        return self._blocking("broadcast_", lambda: self._broadcast(tensors, root, inplace=True).wait())
 
-    @abc.abstractmethod
-    def ibarrier(self) -> Handle: ...
+    def ibroadcast(self, tensors: TensorOrList, root: int = 0) -> Handle:
+        return self._broadcast(tensors, root, inplace=False)
+
+    def ibroadcast_(self, tensors: TensorOrList, root: int = 0) -> Handle:
+        return self._broadcast(tensors, root, inplace=True)
 
     def barrier(self) -> None:
-        self._blocking("barrier", lambda: self.ibarrier().wait())
+        """Every rank reached it."""
+        self._blocking("barrier", lambda: self._barrier(blocking=True).wait())
 
-    # neighbor ops -------------------------------------------------------
-    @abc.abstractmethod
-    def ineighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        """Weighted combination of own and in-neighbors' values (see module doc)."""
+    def ibarrier(self) -> Handle:
+        return self._barrier(blocking=False)
 
+    # neighbor ops: the public forms -------------------------------------
     def neighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
     ) -> TensorOrList:
+        """Weighted combination of own and in-neighbors' values (see module doc); new tensor(s)."""
+        start = self._neighbor_allreduce
         return self._blocking(
-            "neighbor_allreduce",
-            lambda: self.ineighbor_allreduce(tensors, self_weight, src_weights, dst_weights).wait(),
+            "neighbor_allreduce", lambda: start(tensors, self_weight, src_weights, dst_weights, False, True).wait()
         )
-
-    def ineighbor_allreduce_(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        """neighbor_allreduce written into ``tensors`` (leave them alone until wait)."""
-        return self._into(tensors, self.ineighbor_allreduce(tensors, self_weight, src_weights, dst_weights))
 
     def neighbor_allreduce_(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
     ) -> TensorOrList:
+        """neighbor_allreduce written into ``tensors`` (returned)."""
         return self._blocking(
             "neighbor_allreduce_",
-            lambda: self.ineighbor_allreduce_(tensors, self_weight, src_weights, dst_weights).wait(),
+            lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, True).wait(),
         )
 
-    def ineighbor_allgather(
-        self,
-        tensors: TensorOrList,
-        src_ranks: Sequence[int] | None = None,
-        dst_ranks: Sequence[int] | None = None,
+    def ineighbor_allreduce(
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
     ) -> Handle:
-        """In-neighbors' tensor(s) concatenated along dim 0 in ascending source rank."""
-        raise NotImplementedError(f"engine {self.name} has no neighbor_allgather")
+        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=False, blocking=False)
+
+    def ineighbor_allreduce_(
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
+    ) -> Handle:
+        """In place: leave ``tensors`` alone until wait."""
+        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=True, blocking=False)
 
     def neighbor_allgather(
-        self,
-        tensors: TensorOrList,
-        src_ranks: Sequence[int] | None = None,
-        dst_ranks: Sequence[int] | None = None,
+        self, tensors: TensorOrList, src_ranks: Sequence[int] | None = None, dst_ranks: Sequence[int] | None = None
     ) -> TensorOrList:
+        """In-neighbors' tensor(s) concatenated along dim 0 in ascending source rank (dim 0 may differ)."""
         return self._blocking("neighbor_allgather", lambda: self.ineighbor_allgather(tensors, src_ranks, dst_ranks).wait())
 
-    def ihierarchical_neighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
+    def ineighbor_allgather(
+        self, tensors: TensorOrList, src_ranks: Sequence[int] | None = None, dst_ranks: Sequence[int] | None = None
     ) -> Handle:
+        started = time.perf_counter()
+        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
+        call = Call(tensors)
+        nbytes = call.nbytes * len(dsts)
+        if self.size == 1:  # no peers
+            return self._track("neighbor_allgather", nbytes, started, lambda: call.as_given(ungather([], [], call.tensors)))
+        pending = self._post_neighbor_allgather(call, GatherDeclaration(self.size, srcs, dsts, call.tensors), srcs, dsts)
+        return self._track("neighbor_allgather", nbytes, started, *pending, src=srcs, dst=dsts)
+
+    def hierarchical_neighbor_allreduce(
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
+    ) -> TensorOrList:
         """Machine average, then neighbor_allreduce among machines (weights keyed by machine).
 
         Weights left out come from ``set_machine_topology``.
         """
-        raise NotImplementedError(f"engine {self.name} has no hierarchical_neighbor_allreduce")
-
-    def hierarchical_neighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
-    ) -> TensorOrList:
         return self._blocking(
             "hierarchical_neighbor_allreduce",
-            lambda: self.ihierarchical_neighbor_allreduce(
-                tensors, self_weight, src_machine_weights, dst_machine_weights
-            ).wait(),
-        )
-
-    def ihierarchical_neighbor_allreduce_(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._into(
-            tensors,
-            self.ihierarchical_neighbor_allreduce(tensors, self_weight, src_machine_weights, dst_machine_weights),
+            lambda: self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=False).wait(),
         )
 
     def hierarchical_neighbor_allreduce_(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
     ) -> TensorOrList:
+        """hierarchical_neighbor_allreduce written into ``tensors`` (returned)."""
+        weights = (self_weight, src_machine_weights, dst_machine_weights)
         return self._blocking(
-            "hierarchical_neighbor_allreduce_",
-            lambda: self.ihierarchical_neighbor_allreduce_(
-                tensors, self_weight, src_machine_weights, dst_machine_weights
-            ).wait(),
+            "hierarchical_neighbor_allreduce_", lambda: self._hierarchical(tensors, *weights, inplace=True).wait()
         )
 
-    # one-sided windows (see module doc) ---------------------------------
+    def ihierarchical_neighbor_allreduce(
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
+    ) -> Handle:
+        return self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=False)
+
+    def ihierarchical_neighbor_allreduce_(
+        self, tensors: TensorOrList, self_weight: float | None = None,
+        src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
+    ) -> Handle:
+        return self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=True)
+
+    # front halves: checks, defaults, single rank, timing ----------------
+    def _allreduce(self, tensors: TensorOrList, op: str, inplace: bool, blocking: bool) -> Handle:
+        started = time.perf_counter()
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op={op!r}; allowed: 'sum', 'avg'")
+        call = Call(tensors, inplace)
+        if op == "avg":
+            check_float(call.tensors, "allreduce(op='avg')")
+        if self.timeline is not None:
+            call.meta["reduce"] = op
+        if self.size == 1:
+            return self._track("allreduce", call.nbytes, started, lambda: call.deliver(call.writable()), None, **call.meta)
+        pending = self._post_allreduce(call, op, blocking)
+        return self._track("allreduce", call.nbytes, started, *pending, **call.meta)
+
+    def _broadcast(self, tensors: TensorOrList, root: int, inplace: bool) -> Handle:
+        started = time.perf_counter()
+        if not 0 <= root < self.size:
+            raise ValueError(f"root={root}; allowed: 0..{self.size - 1}")
+        call = Call(tensors, inplace)
+        if self.size == 1:
+            return self._track("broadcast", call.nbytes, started, lambda: call.deliver(call.writable()), None, root=root)
+        return self._track("broadcast", call.nbytes, started, *self._post_broadcast(call, root), root=root)
+
+    def _barrier(self, blocking: bool) -> Handle:
+        started = time.perf_counter()
+        if self.size == 1:
+            return self._track("barrier", 0, started, lambda: None)
+        return self._track("barrier", 0, started, *self._post_barrier(blocking))
+
+    def _neighbor_allreduce(
+        self, tensors: TensorOrList, self_weight: float | None, src_weights: Weights | None,
+        dst_weights: DstWeights | None, inplace: bool, blocking: bool,
+    ) -> Handle:
+        started = time.perf_counter()
+        op = "neighbor_allreduce"
+        spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
+        call = self._weighted_call(op, tensors, inplace, spec, "src", "dst")
+        nbytes = call.nbytes * len(spec.dst_weights)  # what this rank sends
+        if self.size == 1:
+            return self._track(op, nbytes, started, lambda: call.combine(spec, {}), None, **call.meta)
+        decl = None
+        if self.check_neighbors:
+            decl = Declaration(op, self.size, spec.src_weights, spec.dst_weights, call.numel, call.dtype)
+        pending = self._post_neighbor_allreduce(call, spec, decl, blocking)
+        return self._track(op, nbytes, started, *pending, **call.meta)
+
+    def _hierarchical(
+        self, tensors: TensorOrList, self_weight: float | None, src_weights: Weights | None,
+        dst_weights: DstWeights | None, inplace: bool,
+    ) -> Handle:
+        started = time.perf_counter()
+        op = "hierarchical_neighbor_allreduce"
+        spec = self.machine_spec(self_weight, src_weights, dst_weights)
+        call = self._weighted_call(op, tensors, inplace, spec, "src_machines", "dst_machines")
+        decl = None
+        if self.check_neighbors:
+            srcs, dsts = spec.src_weights, spec.dst_weights
+            decl = MachineDeclaration(self.machines, self.local_size, srcs, dsts, call.numel, call.dtype)
+        return self._track(op, call.nbytes, started, *self._post_hierarchical(call, spec, decl), **call.meta)
+
+    def _weighted_call(self, op: str, tensors: TensorOrList, inplace: bool, spec: NeighborSpec, *peers: str) -> Call:
+        """The call of a weighted exchange: floating tensors only; the timeline names its ``peers``."""
+        call = Call(tensors, inplace)
+        check_float(call.tensors, op)
+        if self.timeline is not None:
+            call.meta.update(zip(peers, (sorted(spec.src_weights), sorted(spec.dst_weights))))
+        return call
+
+    # transport hooks (see the module doc) -------------------------------
+    @abc.abstractmethod
+    def _post_allreduce(self, call: Call, op: str, blocking: bool) -> Pending:
+        """Sum (``op='avg'``: then divide by size) every rank's ``call.flat``; size > 1."""
+
+    @abc.abstractmethod
+    def _post_broadcast(self, call: Call, root: int) -> Pending:
+        """Root's ``call.flat`` on every rank; size > 1."""
+
+    @abc.abstractmethod
+    def _post_allgather(self, call: Call) -> Pending:
+        """Every rank's tensors along dim 0 in rank order (check with declarations.allgather_problems); size > 1."""
+
+    @abc.abstractmethod
+    def _post_barrier(self, blocking: bool) -> Pending:
+        """Every rank reached it; size > 1."""
+
+    @abc.abstractmethod
+    def _post_neighbor_allreduce(
+        self, call: Call, spec: NeighborSpec, declaration: Declaration | None, blocking: bool
+    ) -> Pending:
+        """Send ``call.flat`` (scaled per destination), receive, ``call.combine``; size > 1.
+
+        ``declaration`` (None: unchecked) is to be gathered from every rank and verified before any receive completes.
+        """
+
+    @abc.abstractmethod
+    def _post_neighbor_allgather(
+        self, call: Call, declaration: GatherDeclaration, srcs: list[int], dsts: list[int]
+    ) -> Pending:
+        """In-neighbors' tensors along dim 0 in ascending source rank (``ungather``); size > 1."""
+
+    @abc.abstractmethod
+    def _post_hierarchical(self, call: Call, spec: NeighborSpec, declaration: MachineDeclaration | None) -> Pending:
+        """Machine average, then the combine among machines (``weighted_combine_``), delivered on every rank."""
+
+    @abc.abstractmethod
+    def _declare_all(self, declaration: Declaration) -> np.ndarray:
+        """Every rank's ``declaration.row`` in rank order (blocking, collective)."""
+
+    @abc.abstractmethod
+    def _win_allocate(
+        self, name: str, flat: torch.Tensor, srcs: list[int], dsts: list[int], declared: Table
+    ) -> Window:
+        """Collective: window memory shaped like ``flat`` (``declared``: the checked declarations.Table)."""
+
+    @abc.abstractmethod
+    def _win_release(self, window: Window) -> None:
+        """Collective: free the window's memory."""
+
+    @abc.abstractmethod
+    def _win_send(self, window: Window, dst: int, payload: torch.Tensor, weight: float, accumulate: bool) -> None:
+        """dst's slot for this rank := (payload, weight), or += with ``accumulate`` (``accumulate_``), atomically."""
+
+    @abc.abstractmethod
+    def _win_fetch(self, window: Window, src: int, into: torch.Tensor) -> float:
+        """Copy src's own value into ``into`` and return its weight, atomically."""
+
+    def _run_window_op(self, window: Window, work: Callable[[], Any]) -> Pending:
+        """Run a window op's work: here, now (engines may hand it to a helper thread)."""
+        result = work()
+        return (lambda: result), None
+
+    # windows: the public forms (see module doc) --------------------------
     def win_create(
         self,
         tensor: torch.Tensor,
@@ -638,46 +860,113 @@ class Engine(abc.ABC):
         weight: float = 1.0,
     ) -> torch.Tensor:
         """Collective: a window named ``name`` holding ``tensor``; returns the live own value."""
-        raise NotImplementedError(f"engine {self.name} has no windows")
+        if name in self._windows:
+            raise ValueError(f"window {name!r} exists; free it first (win_free)")
+        check_float([tensor], "win_create")
+        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
+        flat = tensor.detach().contiguous().view(-1)
+        return self._blocking("win_create", lambda: self._win_create(name, flat, srcs, dsts, zero_init, weight))
+
+    def _win_create(
+        self, name: str, flat: torch.Tensor, srcs: list[int], dsts: list[int], zero_init: bool, weight: float
+    ) -> torch.Tensor:
+        # Collective check first: both sides of every edge and the window's name must agree.
+        decl = WindowDeclaration(self.size, srcs, dsts, flat, name)
+        rows = self._declare_all(decl)
+        decl.verify(rows)
+        w = self._win_allocate(name, flat, srcs, dsts, decl.table(rows))
+        with w.exclusive():
+            w.own.copy_(flat)
+            w.data[1:].zero_()
+            w.weights[0] = weight
+            w.weights[1:] = 0.0
+        self._windows[name] = w
+        self.barrier()  # every window initialized before anyone reaches into one
+        if not zero_init:
+            self._win_get(w, {s: 1.0 for s in srcs})
+            self.barrier()
+        return w.own
 
     def win_free(self, name: str | None = None) -> None:
         """Collective: free one window (all when ``name`` is None)."""
-        raise NotImplementedError(f"engine {self.name} has no windows")
+        for nm in sorted(self._windows) if name is None else [name]:
+            w = self._window(nm)
+            del self._windows[nm]
+            self._blocking("win_free", lambda: self._win_release(w))
 
     def win_tensor(self, name: str) -> torch.Tensor:
         """The window's own value (live)."""
-        raise NotImplementedError(f"engine {self.name} has no windows")
+        return self._window(name).own
 
     def win_weight(self, name: str) -> float:
         """The push-sum weight of the own value."""
-        raise NotImplementedError(f"engine {self.name} has no windows")
+        return self._window(name).weight
+
+    def win_put(
+        self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
+    ) -> None:
+        self._blocking("win_put", lambda: self._push(tensor, name, self_weight, dst_weights, accumulate=False).wait())
 
     def iwin_put(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
+        self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
     ) -> Handle:
         return self._push(tensor, name, self_weight, dst_weights, accumulate=False)
 
-    def win_put(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
+    def win_accumulate(
+        self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
     ) -> None:
-        self._blocking("win_put", lambda: self.iwin_put(tensor, name, self_weight, dst_weights).wait())
+        self._blocking("win_accumulate", lambda: self._push(tensor, name, self_weight, dst_weights, True).wait())
 
     def iwin_accumulate(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
+        self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
     ) -> Handle:
         return self._push(tensor, name, self_weight, dst_weights, accumulate=True)
+
+    def win_get(self, name: str, src_weights: Weights | None = None) -> None:
+        self._blocking("win_get", lambda: self.iwin_get(name, src_weights).wait())
+
+    def iwin_get(self, name: str, src_weights: Weights | None = None) -> Handle:
+        started = time.perf_counter()
+        w = self._window(name)
+        src = {s: 1.0 for s in w.srcs} if src_weights is None else {int(k): float(v) for k, v in src_weights.items()}
+        self._check_window_targets(w, list(src), w.srcs, "sources", "win_get")
+        pending = self._run_window_op(w, lambda: self._win_get(w, src))
+        return self._track("win_get", w.row_bytes * len(src), started, *pending, src=sorted(src), window=name)
+
+    def win_update(
+        self, name: str, self_weight: float | None = None, src_weights: Weights | None = None, reset: bool = False
+    ) -> torch.Tensor:
+        return self._blocking("win_update", lambda: self.iwin_update(name, self_weight, src_weights, reset).wait())
+
+    def iwin_update(
+        self, name: str, self_weight: float | None = None, src_weights: Weights | None = None, reset: bool = False
+    ) -> Handle:
+        started = time.perf_counter()
+        w = self._window(name)
+        if (self_weight is None) != (src_weights is None):
+            raise ValueError("give self_weight and src_weights together, or neither")
+        if src_weights is None:
+            uniform = 1.0 / (1 + len(w.srcs))
+            self_weight, src_weights = uniform, {s: uniform for s in w.srcs}
+        src = {int(k): float(v) for k, v in src_weights.items()}
+        self._check_window_targets(w, list(src), w.srcs, "sources", "win_update")
+        pending = self._run_window_op(w, lambda: self._win_update(w, float(self_weight), src, reset))
+        return self._track("win_update", 0, started, *pending, window=name)
+
+    # windows: checks and push-sum arithmetic ----------------------------
+    def _window(self, name: str) -> Window:
+        try:
+            return self._windows[name]
+        except KeyError:
+            raise ValueError(f"no window {name!r}; created: {sorted(self._windows) or 'none'}") from None
+
+    def _check_window_targets(self, w: Window, ranks: Sequence[int], allowed: list[int], role: str, op: str) -> None:
+        """A window op may only reach the neighbors the window was created with."""
+        for r in ranks:
+            if r not in allowed:
+                raise ValueError(
+                    f"rank {self.rank}: {op} on window {w.name!r} with rank {r}, which is not one of its {role} {allowed}"
+                )
 
     def _push(
         self,
@@ -688,60 +977,61 @@ class Engine(abc.ABC):
         accumulate: bool,
     ) -> Handle:
         """put (accumulate=False) or accumulate into the out-neighbors' slots of window ``name``."""
-        raise NotImplementedError(f"engine {self.name} has no windows")
-
-    def _check_window_targets(self, w: Any, ranks: Sequence[int], allowed: list[int], role: str, op: str) -> None:
-        """A window op may only reach the neighbors the window was created with."""
-        for r in ranks:
-            if r not in allowed:
-                raise ValueError(
-                    f"rank {self.rank}: {op} on window {w.name!r} with rank {r}, which is not one of its {role} {allowed}"
-                )
-
-    def _window_payload(self, w: Any, tensor: torch.Tensor | None, op: str) -> torch.Tensor:
-        """What a put/accumulate sends: the given tensor (shape and dtype of the window) or the own value."""
+        started = time.perf_counter()
+        op = "win_accumulate" if accumulate else "win_put"
+        w = self._window(name)
+        dst = normalize_dst(dst_weights)
+        dst = {d: 1.0 for d in w.dsts} if dst is None else dst
+        self._check_window_targets(w, list(dst), w.dsts, "destinations", op)
         if tensor is None:
-            return w.own
-        if tensor.dtype != w.dtype or tensor.numel() != w.numel:
+            x = w.own
+        elif tensor.dtype != w.dtype or tensor.numel() != w.numel:
             raise ValueError(
                 f"{op} on window {w.name!r}: got {tensor.numel()} x {tensor.dtype}, the window holds {w.numel} x {w.dtype}"
             )
-        return tensor.detach().contiguous().view(-1)
+        else:  # window memory is where the engine keeps it (the host, for NCCL)
+            x = tensor.detach().to(w.own.device).contiguous().view(-1)
+        pending = self._run_window_op(w, lambda: self._win_push(w, x, dst, self_weight, accumulate))
+        return self._track(op, w.row_bytes * len(dst), started, *pending, dst=sorted(dst), window=name)
 
-    def win_accumulate(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
+    def _win_push(
+        self, w: Window, x: torch.Tensor, dst: dict[int, float], self_weight: float | None, accumulate: bool
     ) -> None:
-        self._blocking("win_accumulate", lambda: self.iwin_accumulate(tensor, name, self_weight, dst_weights).wait())
+        """Each destination's slot gets (or adds) ``w_k * (x, p)``; with ``self_weight`` own := ``self_weight * (x, p)``."""
+        p = w.weight
+        for d, weight in dst.items():
+            self._win_send(w, d, x if weight == 1.0 else x * weight, p * weight, accumulate)
+        if self_weight is not None:
+            with w.exclusive():
+                if x.data_ptr() == w.own.data_ptr():
+                    w.own.mul_(self_weight)
+                else:
+                    torch.mul(x, self_weight, out=w.own)
+                w.weights[0] = p * self_weight
 
-    def iwin_get(self, name: str, src_weights: Weights | None = None) -> Handle:
-        raise NotImplementedError(f"engine {self.name} has no windows")
+    def _win_get(self, w: Window, src: dict[int, float]) -> None:
+        """Each source's slot := ``w_j * (own value of j, p_j)``."""
+        fetched = torch.empty_like(w.own)
+        for s, weight in src.items():
+            p = self._win_fetch(w, s, fetched)
+            row = w.slot_of(s)
+            with w.exclusive():
+                torch.mul(fetched, weight, out=w.data[row])
+                w.weights[row] = p * weight
 
-    def win_get(self, name: str, src_weights: Weights | None = None) -> None:
-        self._blocking("win_get", lambda: self.iwin_get(name, src_weights).wait())
+    def _win_update(self, w: Window, self_weight: float, src: dict[int, float], reset: bool) -> torch.Tensor:
+        """own := ``self_weight * own + sum_j w_j * slot_j``, the same for p; ``reset`` empties the slots used."""
+        rows = [(w.slot_of(s), weight) for s, weight in src.items()]
+        with w.exclusive():
+            weighted_combine_(w.own, self_weight, [(w.data[r], weight) for r, weight in rows])
+            w.weights[0] = self_weight * w.weights[0] + sum(weight * w.weights[r] for r, weight in rows)
+            if reset:
+                for r, _ in rows:
+                    w.data[r].zero_()
+                    w.weights[r] = 0.0
+        return w.own
 
-    def iwin_update(
-        self,
-        name: str,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        reset: bool = False,
-    ) -> Handle:
-        raise NotImplementedError(f"engine {self.name} has no windows")
-
-    def win_update(
-        self,
-        name: str,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        reset: bool = False,
-    ) -> torch.Tensor:
-        return self._blocking("win_update", lambda: self.iwin_update(name, self_weight, src_weights, reset).wait())
-
-    # helpers ------------------------------------------------------------
+    # timing -------------------------------------------------------------
     def _blocking(self, op: str, call: Callable[[], Any]) -> Any:
         """Run a blocking call, counting all of it (and nothing twice) as communication time."""
         c0 = self.comm_time_s
@@ -756,10 +1046,6 @@ class Engine(abc.ABC):
                 self.comm_time_s = c0 + (t1 - t0)
                 if self.timeline is not None:
                     self.timeline.blocked(op, t0, t1)
-
-    def _timed_wait(self, handle: Handle) -> Any:
-        """Wait on a handle, counting the time as communication (for engines' own blocking forms)."""
-        return self._blocking("wait", handle.wait)
 
     def _track(
         self,
@@ -777,6 +1063,7 @@ class Engine(abc.ABC):
         ``done()`` is True.
         """
         posted = time.perf_counter()
+        self.bytes_sent += sent_bytes(op, nbytes, self.size)
         if self._blocking_depth == 0:
             self.comm_time_s += posted - started
         token = self.timeline.begin(op, started, nbytes, **args) if self.timeline is not None else None
@@ -791,23 +1078,6 @@ class Engine(abc.ABC):
 
         return Handle(wait_fn, test_fn if test_fn is not None else _nothing_in_flight, on_finish)
 
-    def _into(self, tensors: TensorOrList, handle: Handle) -> Handle:
-        """Turn an out-of-place handle into one that writes into ``tensors``."""
-        listed, single = as_list(tensors)
-
-        def finish() -> TensorOrList:
-            result, _ = as_list(handle.wait())
-            for t, r in zip(listed, result):
-                if t.data_ptr() != r.data_ptr():
-                    t.detach().copy_(r)
-            return listed[0] if single else listed
-
-        return Handle(finish, handle.done)
-
-    def check_op(self, op: str) -> None:
-        if op not in ("sum", "avg"):
-            raise ValueError(f"op={op!r}; allowed: 'sum', 'avg'")
-
     def close(self) -> None:
         """Release resources (windows, communicators). Safe to call twice."""
 
@@ -820,6 +1090,30 @@ class Engine(abc.ABC):
 
 def _nothing_in_flight() -> bool:
     return True
+
+
+def sent_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank puts on the wire for an op whose ``_track`` record carries ``nbytes``.
+
+    Neighbor ops and window puts/accumulates record what this rank sends (its
+    message times its destinations) and a get what it fetches: counted as they
+    are. Collectives record one rank's message and are counted at the
+    bandwidth-optimal (ring) volume every engine's fast path approaches:
+    allreduce 2(n-1)/n of it, allgather n-1 times it (each rank's piece goes
+    round), broadcast (n-1)/n of it per rank on average; the hierarchical op
+    counts its one message. The bytes are those of
+    the tensors handed to the engine, so a packed, compressed payload counts as
+    packed.
+    """
+    if size <= 1:
+        return 0
+    if op == "allreduce":
+        return 2 * (size - 1) * nbytes // size
+    if op == "allgather":
+        return (size - 1) * nbytes
+    if op == "broadcast":
+        return (size - 1) * nbytes // size
+    return nbytes
 
 
 def _check_peer(r: int, me: int, size: int, unit: str) -> None:
@@ -862,26 +1156,3 @@ def check_float(tensors: Iterable[torch.Tensor], op: str) -> None:
                 f"{op} averages, so it needs a floating dtype; got {t.dtype} "
                 f"(allowed: float32, float64, float16, bfloat16)"
             )
-
-
-def machine_problems(op: str, headers: np.ndarray, expects: np.ndarray, sends: np.ndarray, local_size: int) -> list[str]:
-    """Declarations of a hierarchical op: the same on every rank of a machine, consistent among machines."""
-    n = headers.shape[0]
-    problems = []
-    if (headers[:, 0] != headers[0, 0]).any() or (headers[:, 1] != headers[0, 1]).any():
-        bad = int(np.flatnonzero((headers[:, 0] != headers[0, 0]) | (headers[:, 1] != headers[0, 1]))[0])
-        problems.append(
-            f"rank {bad} has {headers[bad, 0]} x {dtype_name(headers[bad, 1])}, "
-            f"rank 0 has {headers[0, 0]} x {dtype_name(headers[0, 1])}"
-        )
-    leaders = list(range(0, n, local_size))
-    for r in range(n):
-        lead = r - r % local_size
-        if (expects[r] != expects[lead]).any() or (sends[r] != sends[lead]).any():
-            problems.append(f"rank {r} declares other machine weights than rank {lead} of its machine")
-    problems += pattern_problems(op, sends[leaders], expects[leaders], unit="machine")
-    return problems
-
-
-def dtype_name(code: int) -> str:
-    return str(CODE_DTYPES.get(int(code), f"dtype#{code}")).replace("torch.", "")

@@ -1,4 +1,4 @@
-"""mpi4py engine: one MPI process per rank, torch CPU tensors.
+"""mpi4py engine: one MPI process per rank, torch CPU tensors (transport only; the contract is engine.py's).
 
 Speed comes from moving nothing twice:
 
@@ -17,66 +17,50 @@ Speed comes from moving nothing twice:
   (scripts/bench_comm.py); smaller buffers use MPI_Allreduce (latency).
 
 Mismatched neighbor declarations: each neighbor op gathers every rank's
-declaration (sources, destinations, size, dtype as bit maps and a few
-integers) with a nonblocking Allgather that runs alongside the data, so a
-correct program pays no extra round trip. When the declarations disagree,
-every rank sees the same table, drains or cancels what it posted (so the
-engine stays usable) and raises the same CommError.
+declaration (bfexp.comm.declarations: a few integers and two bit maps)
+with a nonblocking Allgather that runs alongside the data, so a correct
+program pays no extra round trip. When the declarations disagree, every
+rank sees the same table, drains or cancels what it posted (so the engine
+stays usable) and raises the same CommError.
 
 Windows are MPI-3 RMA windows (``MPI_Win_allocate``; on one host Open MPI's
 shared-memory ``osc/sm``) under passive-target locks: put/accumulate/get
-take a shared lock on the target, update takes an exclusive lock on the
-owner, so a put (data and push-sum weight together) is never seen half done.
-MPI cannot add half precision, so accumulate of float16/bfloat16 reads the
-slot, adds in float32 and writes it back under an exclusive lock.
-Nonblocking window ops run on one helper thread per engine (the MPI library
-is initialized with MPI_THREAD_MULTIPLE by mpi4py); without that thread
-level they run inline and their handles come back completed.
+take a shared lock on the target, a rank changing its own window memory
+takes an exclusive lock on itself, so a put (data and push-sum weight
+together) is never seen half done. MPI cannot add half precision, so
+accumulate of float16/bfloat16 reads the slot, adds in float32 and writes
+it back under an exclusive lock. Nonblocking window ops run on one helper
+thread per engine (the MPI library is initialized with MPI_THREAD_MULTIPLE
+by mpi4py); without that thread level they run inline and their handles
+come back completed. ``MPIHost`` is this host part alone: the NCCL engine
+keeps its windows the same way.
+
+Importing this module does not initialize MPI (only ``from mpi4py import
+MPI`` does, and that happens in the constructor): the driver process
+imports engine classes and must never initialize MPI.
 """
 
 from __future__ import annotations
 
-import functools
-import time
-import zlib
+import importlib.util
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
 
-from bfexp.comm.engine import (
-    DTYPE_CODES,
-    HALF_DTYPES,
-    CommError,
-    DstWeights,
-    Engine,
-    Handle,
-    NeighborSpec,
-    TensorOrList,
-    Weights,
-    as_list,
-    check_float,
-    copy_back,
-    dtype_name,
-    first_dims,
-    fuse,
-    is_view_of,
-    machine_problems,
-    mismatch_error,
-    normalize_dst,
-    payload_bytes,
-    pattern_problems,
-    restore,
-    rows_shape,
-    shape_signature,
-    weighted_combine_,
-)
+from bfexp.comm.declarations import HEADER, Declaration, GatherDeclaration, MachineDeclaration, Table
+from bfexp.comm.declarations import allgather_problems, header, mismatch_error, shape_signature
+from bfexp.comm.engine import HALF_DTYPES, Call, Engine, NeighborSpec, Pending, Window, accumulate_, first_dims
+from bfexp.comm.engine import local_size_for, rows_shape, ungather, weighted_combine_, work_dtype
+from bfexp.errors import CommError
 
 
-def _mpi():
+def load_mpi() -> Any:
+    """The MPI module of mpi4py; importing it initializes MPI, so only ranks call this."""
     from mpi4py import MPI
 
     return MPI
@@ -96,11 +80,6 @@ def as_buffer(t: torch.Tensor) -> np.ndarray:
 
 # Buffers from this size on (bytes, in the dtype reduced in) are allreduced by our ring.
 RING_MIN_BYTES = 8 << 20
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype MPI reduces in: float32 for half precision, else the dtype itself."""
-    return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
 def split_counts(total: int, parts: int) -> list[int]:
@@ -151,79 +130,26 @@ class BufferPool:
 
 # ------------------------------------------------------------------ declarations
 
-_HEADER = 4  # int64s: numel, dtype code, tensor count, shape signature
+
+def gather_declarations(comm: Any, declaration: Declaration) -> np.ndarray:
+    """Every rank's declaration row, in rank order (a blocking Allgather)."""
+    rows = np.empty((comm.Get_size(), declaration.row.size), np.uint8)
+    comm.Allgather(declaration.row, rows)
+    return rows
 
 
-class _Declarations:
+class _Gathering:
     """Every rank's declaration of one exchange, gathered by a nonblocking Allgather
-    (``post=False``: by a blocking one later, ``gather()``).
+    (``post=False``: by a blocking one later, ``gather()``)."""
 
-    A declaration is four int64s and two bit maps over ``units`` (ranks, or
-    machines for hierarchical ops): whom the rank receives from and sends to.
-    """
+    def __init__(self, comm: Any, declaration: Declaration, post: bool = True) -> None:
+        self.comm = comm
+        self.declaration = declaration
+        self.rows = np.empty((comm.Get_size(), declaration.row.size), np.uint8)
+        self.request = comm.Iallgather(declaration.row, self.rows) if post else None
 
-    def __init__(
-        self,
-        comm: Any,
-        units: int,
-        srcs: Sequence[int],
-        dsts: Sequence[int],
-        numel: int,
-        dtype: torch.dtype,
-        count: int = 1,
-        signature: int = 0,
-        post: bool = True,
-    ) -> None:
-        self.units = units
-        self.nbits = (units + 7) // 8
-        head = _HEADER * 8
-        decl = np.empty(head + 2 * self.nbits, np.uint8)
-        decl[:head].view(np.int64)[:] = [numel, DTYPE_CODES.get(dtype, 0), count, signature]
-        decl[head:] = _pattern_bits(units, tuple(srcs), tuple(dsts))
-        self._decl = decl
-        self.table = np.empty((comm.Get_size(), decl.size), np.uint8)
-        self.request = comm.Iallgather(decl, self.table) if post else None
-
-    def gather(self, comm: Any) -> None:
-        comm.Allgather(self._decl, self.table)
-
-    def parse(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(headers (n, 4) int64, expects (n, units) bool, sends (n, units) bool), one row per rank."""
-        head = _HEADER * 8
-        headers = np.ascontiguousarray(self.table[:, :head]).view(np.int64)
-        expects = np.unpackbits(self.table[:, head : head + self.nbits], axis=1, count=self.units).astype(bool)
-        sends = np.unpackbits(self.table[:, head + self.nbits :], axis=1, count=self.units).astype(bool)
-        return headers, expects, sends
-
-
-@functools.lru_cache(maxsize=256)
-def _pattern_bits(units: int, srcs: tuple[int, ...], dsts: tuple[int, ...]) -> np.ndarray:
-    """Packed source and destination bit maps (cached: a topology repeats a few patterns)."""
-    flags = np.zeros((2, units), bool)
-    flags[0, list(srcs)] = True
-    flags[1, list(dsts)] = True
-    return np.packbits(flags, axis=1).reshape(-1)
-
-
-class _Verdicts:
-    """Tables of declarations already found consistent: a static or periodic topology
-    gathers the same few tables over and over, and they need parsing once."""
-
-    def __init__(self, limit: int = 256) -> None:
-        self.limit = limit
-        self._ok: OrderedDict[bytes, None] = OrderedDict()
-
-    def known_good(self, table: np.ndarray) -> bool:
-        key = table.tobytes()
-        if key in self._ok:
-            self._ok.move_to_end(key)
-            return True
-        return False
-
-    def remember(self, table: np.ndarray) -> None:
-        self._ok[table.tobytes()] = None
-        if len(self._ok) > self.limit:
-            self._ok.popitem(last=False)
+    def gather(self) -> None:
+        self.comm.Allgather(self.declaration.row, self.rows)
 
 
 # ------------------------------------------------------------------ staged handles
@@ -253,7 +179,7 @@ class _Stages:
             return None
 
     def test(self) -> bool:
-        MPI = _mpi()
+        MPI = load_mpi()
         try:
             while self._requests is not None:
                 if self._requests and not MPI.Request.Testall(self._requests):
@@ -266,7 +192,7 @@ class _Stages:
 
     def wait_requests(self) -> None:
         """Run the plan to its end (without ``finish``)."""
-        MPI = _mpi()
+        MPI = load_mpi()
         if self._error is not None:
             raise self._error
         while self._requests is not None:
@@ -277,6 +203,9 @@ class _Stages:
     def wait(self) -> Any:
         self.wait_requests()
         return self._finish()
+
+    def pending(self) -> Pending:
+        return self.wait, self.test
 
 
 def _ring_allreduce(comm: Any, work: torch.Tensor, inbox: torch.Tensor, average: bool, tag: int) -> Iterator[list]:
@@ -313,33 +242,21 @@ def _ring_allreduce(comm: Any, work: torch.Tensor, inbox: torch.Tensor, average:
 
 @dataclass
 class _Exchange:
-    """One rank's posted part of a neighbor exchange (sends, receives, the declaration check)."""
+    """One rank's posted part of a neighbor exchange: its sends and receives."""
 
     comm: Any
     tag: int
-    op: str
-    me: int
-    decl: _Declarations
-    spec: NeighborSpec
     send_requests: list = field(default_factory=list)
     recv_requests: dict = field(default_factory=dict)  # src -> request
     received: dict = field(default_factory=dict)  # src -> tensor
     scratch: list = field(default_factory=list)  # pooled tensors to give back
 
-    def verify(self, verdicts: _Verdicts) -> None:
-        """Raise CommError on every rank when the declarations disagree (after cleaning up)."""
-        if verdicts.known_good(self.decl.table):
-            return
-        headers, expects, sends = self.decl.parse()
-        problems = pattern_problems(self.op, sends, expects, headers[:, 0], headers[:, 1])
-        if problems:
-            self.abandon(sends[:, self.me])
-            raise mismatch_error(self.op, problems)
-        verdicts.remember(self.decl.table)
+    def requests(self) -> list:
+        return self.send_requests + list(self.recv_requests.values())
 
     def abandon(self, senders: np.ndarray, aux: Any = None) -> None:
         """Leave nothing behind: match every message actually sent to us, cancel the rest, finish our sends."""
-        MPI = _mpi()
+        MPI = load_mpi()
         for src, req in self.recv_requests.items():
             if not senders[src]:
                 req.Cancel()
@@ -362,7 +279,7 @@ class _Exchange:
 
 def _drain(comm: Any, source: int, tag: int) -> None:
     """Receive and drop one message (of any size) from ``source``."""
-    MPI = _mpi()
+    MPI = load_mpi()
     status = MPI.Status()
     message = comm.Mprobe(source, tag, status)
     sink = np.empty(max(1, status.Get_count(MPI.BYTE)), np.uint8)
@@ -372,94 +289,104 @@ def _drain(comm: Any, source: int, tag: int) -> None:
 # ------------------------------------------------------------------ windows
 
 
-@dataclass
-class _Window:
-    """One rank's part of a window: own value and one slot per in-neighbor, each with a push-sum weight.
+class _Window(Window):
+    """A window part in MPI-3 RMA memory.
 
     Memory (bytes, disp_unit 1): data ``(1 + k) x numel`` elements (row 0 the
     own value, row s the slot of the s-th source in ascending rank), padded
     to 8, then ``1 + k`` float64 weights in the same order.
     """
 
-    name: str
-    win: Any
-    numel: int
-    dtype: torch.dtype
-    srcs: list[int]
-    dsts: list[int]
-    data: torch.Tensor  # (1 + k, numel) view of window memory
-    weights: np.ndarray  # (1 + k,) float64 view of window memory
-    remote_slot: dict[int, int]  # dst -> row of our slot at dst
-    remote_weights_at: dict[int, int]  # rank -> byte offset of its weights
-    pending: list[Future] = field(default_factory=list)
+    def __init__(
+        self,
+        name: str,
+        srcs: list[int],
+        dsts: list[int],
+        data: torch.Tensor,
+        weights: np.ndarray,
+        win: Any,
+        rank: int,
+        remote_slot: dict[int, int],
+        remote_weights_at: list[int],
+    ) -> None:
+        super().__init__(name, srcs, dsts, data, weights)
+        self.win = win
+        self.rank = rank
+        self.remote_slot = remote_slot  # dst -> row of our slot at dst
+        self.remote_weights_at = remote_weights_at  # rank -> byte offset of its weights
+        self.pending: list[Future] = []
 
-    @property
-    def own(self) -> torch.Tensor:
-        return self.data[0]
-
-    def slot_of(self, src: int) -> int:
-        return 1 + self.srcs.index(src)
-
-    @property
-    def row_bytes(self) -> int:
-        return self.numel * self.data.element_size()
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        MPI = load_mpi()
+        self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        try:
+            yield
+        finally:
+            self.win.Unlock(self.rank)
 
 
 def _align8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
+def machine_local_size(comm: Any, local: Any) -> int:
+    """Ranks per machine from a split of ``comm`` by machine (collective over ``comm``).
+
+    The engine numbers machines by ``rank // local_size`` (hierarchical ops, inner-outer
+    graphs, the cost model), so every machine must hold the same number of consecutive
+    ranks: what mpirun's by-slot and srun's block placement give. Any other placement
+    raises the same CommError on every rank, naming it.
+    """
+    rank = comm.Get_rank()
+    first = local.allreduce(rank, op=load_mpi().MIN)
+    facts = comm.allgather((first, local.Get_size(), rank == first + local.Get_rank()))
+    local_size = facts[0][1]
+    if not all(n == local_size and consecutive and f % local_size == 0 for f, n, consecutive in facts):
+        machines = sorted({(f, n) for f, n, _ in facts})
+        raise CommError(
+            f"ranks sit on machines as (first rank, ranks) {machines}; allowed: the same number of consecutive "
+            "ranks on every machine (mpirun --map-by slot, srun --distribution=block), or set engine.ranks_per_machine"
+        )
+    return local_size
+
+
 def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _mpi_float(dtype: torch.dtype) -> Any:
-    MPI = _mpi()
-    return {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}.get(dtype)
+class MPIHost:
+    """What an engine of MPI processes has on the host, written once for MPIEngine and NCCLEngine:
+    rank and size of ``self.comm``, its machine communicators, blocking declaration gathers, and
+    one-sided windows in host memory (MPI-3 RMA)."""
 
+    comm: Any
+    _windows: dict[str, Window]
+    _window_thread: ThreadPoolExecutor | None = None
 
-# ------------------------------------------------------------------ the engine
+    def _join(self, comm: Any, ranks_per_machine: int) -> None:
+        """Use ``comm`` (None: COMM_WORLD) and split it by machine: ``_local`` holds this machine's ranks,
+        ``_cross`` the ranks with this local rank (one per machine). Collective, so that no op makes a
+        communicator half-way (a rank that raised before it would leave the others hanging).
 
-
-class MPIEngine(Engine):
-    """The Engine contract over mpi4py on CPU tensors (see the module doc)."""
-
-    name = "mpi"
-
-    def __init__(
-        self,
-        comm: Any = None,
-        ranks_per_machine: int = 0,
-        timeline_from_env: bool = True,
-        check_neighbors: bool = True,
-    ) -> None:
-        """``check_neighbors=False`` skips the declaration check of neighbor_allreduce (one tiny
-        Allgather among all ranks per call): a mismatch then hangs, as raw MPI does."""
-        super().__init__()
-        self.check_neighbors = check_neighbors
-        MPI = _mpi()
-        self.comm = comm if comm is not None else MPI.COMM_WORLD
-        size = self.comm.Get_size()
-        self._local_size = ranks_per_machine or size
-        if size % self._local_size:
-            raise ValueError(f"ranks_per_machine={ranks_per_machine} does not divide {size} ranks")
-        # Communicators are made here, collectively, so no op ever makes one
-        # half-way (a rank that raised before it would leave the others hanging).
+        ``ranks_per_machine`` > 0 emulates machines of that many consecutive ranks (on one host too);
+        0 detects the machines the ranks really run on (``_machine_comm``)."""
+        self.comm = comm if comm is not None else load_mpi().COMM_WORLD
         rank = self.comm.Get_rank()
-        self._aux = self.comm.Dup()  # shape headers of gathers, apart from data tags
-        self._local = self.comm.Split(rank // self._local_size, rank)
+        if ranks_per_machine:
+            self._local_size = local_size_for(self.comm.Get_size(), ranks_per_machine)
+            self._local = self.comm.Split(rank // self._local_size, rank)
+            self.layout_source = "emulated"
+        else:
+            self._local = self._machine_comm()
+            self._local_size = machine_local_size(self.comm, self._local)
+            self.layout_source = "detected"
         self._cross = self.comm.Split(rank % self._local_size, rank)
-        # Tags keep concurrent nonblocking neighbor ops apart; every rank
-        # issues ops in the same order, so the counters agree.
-        self._op_seq = 0
-        self._pool = BufferPool()
-        self._verdicts = _Verdicts()
-        self._windows: dict[str, _Window] = {}
-        self._window_thread: ThreadPoolExecutor | None = None
-        self._threaded_windows = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        self._closed = False
-        if timeline_from_env:
-            self.attach_timeline_from_env(rank)
+
+    def _machine_comm(self) -> Any:
+        """The ranks sharing this rank's machine: MPI's shared-memory split (one communicator per
+        node, as the MPI library sees where its processes run), ordered by rank."""
+        return self.comm.Split_type(load_mpi().COMM_TYPE_SHARED, key=self.comm.Get_rank())
 
     @property
     def rank(self) -> int:
@@ -468,6 +395,129 @@ class MPIEngine(Engine):
     @property
     def size(self) -> int:
         return self.comm.Get_size()
+
+    def _declare_all(self, declaration: Declaration) -> np.ndarray:
+        return gather_declarations(self.comm, declaration)
+
+    def _win_allocate(self, name: str, flat: torch.Tensor, srcs: list[int], dsts: list[int], declared: Table) -> Window:
+        MPI = load_mpi()
+        numel, n, me = flat.numel(), self.comm.Get_size(), self.rank
+        in_lists = [np.flatnonzero(declared.expects[r]).tolist() for r in range(n)]
+        data_bytes = [(1 + len(in_lists[r])) * numel * flat.element_size() for r in range(n)]
+        weights_at = [_align8(b) for b in data_bytes]
+        total = weights_at[me] + (1 + len(srcs)) * 8
+        win = MPI.Win.Allocate(total, 1, comm=self.comm)
+        memory = np.frombuffer(win.tomemory(), np.uint8)
+        data = torch.from_numpy(memory[: data_bytes[me]]).view(flat.dtype).view(1 + len(srcs), numel)
+        weights = memory[weights_at[me] : total].view(np.float64)
+        remote_slot = {d: 1 + in_lists[d].index(me) for d in dsts}
+        return _Window(name, srcs, dsts, data, weights, win, me, remote_slot, weights_at)
+
+    def _win_release(self, window: Window) -> None:
+        assert isinstance(window, _Window)
+        for f in window.pending:
+            f.exception()  # wait; errors were the caller's to collect from the handle
+        window.win.Free()  # collective
+
+    def _win_send(self, window: Window, dst: int, payload: torch.Tensor, weight: float, accumulate: bool) -> None:
+        assert isinstance(window, _Window)
+        MPI, w = load_mpi(), window
+        pw = np.array([weight], np.float64)
+        row = w.remote_slot[dst]
+        disp = row * w.row_bytes
+        wdisp = w.remote_weights_at[dst] + row * 8
+        mpi_type = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}.get(w.dtype)
+        if accumulate and mpi_type is None:
+            # MPI cannot add half precision: read, add in float32, write, under an exclusive lock.
+            current = torch.empty(w.numel, dtype=w.dtype)
+            cw = np.empty(1, np.float64)
+            w.win.Lock(dst, MPI.LOCK_EXCLUSIVE)
+            w.win.Get(_raw_bytes(current), dst, target=(disp, w.row_bytes, MPI.BYTE))
+            w.win.Get(cw, dst, target=(wdisp, 8, MPI.BYTE))
+            w.win.Flush(dst)
+            accumulate_(current, payload)
+            pw += cw
+            w.win.Put(_raw_bytes(current), dst, target=(disp, w.row_bytes, MPI.BYTE))
+            w.win.Put(pw, dst, target=(wdisp, 8, MPI.BYTE))
+            w.win.Unlock(dst)
+            return
+        w.win.Lock(dst, MPI.LOCK_SHARED)
+        if accumulate:
+            w.win.Accumulate(payload.numpy(), dst, target=(disp, w.numel, mpi_type), op=MPI.SUM)
+            w.win.Accumulate(pw, dst, target=(wdisp, 1, MPI.DOUBLE), op=MPI.SUM)
+        else:
+            w.win.Put(_raw_bytes(payload), dst, target=(disp, w.row_bytes, MPI.BYTE))
+            w.win.Put(pw, dst, target=(wdisp, 8, MPI.BYTE))
+        w.win.Unlock(dst)
+
+    def _win_fetch(self, window: Window, src: int, into: torch.Tensor) -> float:
+        assert isinstance(window, _Window)
+        MPI, w = load_mpi(), window
+        fw = np.empty(1, np.float64)
+        w.win.Lock(src, MPI.LOCK_SHARED)
+        w.win.Get(_raw_bytes(into), src, target=(0, w.row_bytes, MPI.BYTE))
+        w.win.Get(fw, src, target=(w.remote_weights_at[src], 8, MPI.BYTE))
+        w.win.Unlock(src)
+        return float(fw[0])
+
+    def _run_window_op(self, window: Window, work: Callable[[], Any]) -> Pending:
+        """On the helper thread (MPI_THREAD_MULTIPLE), else inline."""
+        assert isinstance(window, _Window)
+        MPI = load_mpi()
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            result = work()
+            return (lambda: result), None
+        if self._window_thread is None:
+            self._window_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bfexp-window")
+        future = self._window_thread.submit(work)
+        window.pending = [f for f in window.pending if not f.done()] + [future]
+        return future.result, future.done
+
+    def _close_host(self) -> None:
+        """Free every window and the machine communicators (collective), stop the helper thread."""
+        if self._windows:
+            self.win_free()  # type: ignore[attr-defined]
+        if self._window_thread is not None:
+            self._window_thread.shutdown(wait=True)
+        for c in (self._local, self._cross):
+            c.Free()
+
+
+# ------------------------------------------------------------------ the engine
+
+
+class MPIEngine(MPIHost, Engine):
+    """The Engine contract over mpi4py on CPU tensors (see the module doc)."""
+
+    name: ClassVar[str] = "mpi"
+    virtual: ClassVar[bool] = False
+    processes: ClassVar[bool] = True
+    device_type: ClassVar[str] = "cpu"
+
+    def __init__(
+        self, *, ranks_per_machine: int = 0, check_neighbors: bool = True, comm: Any = None, timeline_from_env: bool = True
+    ) -> None:
+        """``ranks_per_machine`` (0: all on one) groups ranks into machines for hierarchical ops;
+        ``check_neighbors=False`` skips the declaration check of neighbor_allreduce and
+        hierarchical_neighbor_allreduce (one tiny Allgather per call): a mismatch then hangs,
+        as raw MPI does. ``comm``: the communicator (default COMM_WORLD)."""
+        super().__init__()
+        self.check_neighbors = check_neighbors
+        self._join(comm, ranks_per_machine)
+        self._aux = self.comm.Dup()  # shape headers of gathers, apart from data tags
+        # Tags keep concurrent nonblocking neighbor ops apart; every rank
+        # issues ops in the same order, so the counters agree.
+        self._op_seq = 0
+        self._pool = BufferPool()
+        self._closed = False
+        if timeline_from_env:
+            self.attach_timeline_from_env(self.rank)
+
+    @classmethod
+    def available(cls, ranks: int, ranks_per_machine: int | None = None) -> tuple[bool, str]:
+        if importlib.util.find_spec("mpi4py") is None:
+            return False, "no mpi4py: install it (pip install mpi4py) with an MPI library (Open MPI, MPICH)"
+        return True, ""
 
     def _next_tag(self) -> int:
         self._op_seq = (self._op_seq + 1) % 30000
@@ -478,36 +528,13 @@ class MPIEngine(Engine):
         self._pool.clear()
 
     # collectives --------------------------------------------------------
-    def iallreduce(self, tensors: TensorOrList, op: str = "avg") -> Handle:
-        return self._allreduce(tensors, op, inplace=False, blocking=False)
-
-    def iallreduce_(self, tensors: TensorOrList, op: str = "avg") -> Handle:
-        return self._allreduce(tensors, op, inplace=True, blocking=False)
-
-    def allreduce(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
-        # The blocking collective (Open MPI's tuned algorithms) beats a waited Iallreduce.
-        return self._blocking("allreduce", lambda: self._allreduce(tensors, op, inplace=False, blocking=True).wait())
-
-    def allreduce_(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
-        return self._blocking("allreduce_", lambda: self._allreduce(tensors, op, inplace=True, blocking=True).wait())
-
-    def _allreduce(self, tensors: TensorOrList, op: str, inplace: bool, blocking: bool) -> Handle:
-        started = time.perf_counter()
-        self.check_op(op)
-        tensors, single = as_list(tensors)
-        if op == "avg":
-            check_float(tensors, "allreduce(op='avg')")
-        flat = fuse(tensors)
-        view = is_view_of(flat, tensors)
+    def _post_allreduce(self, call: Call, op: str, blocking: bool) -> Pending:
+        """``blocking``: the tuned blocking collective (Open MPI's algorithms beat a waited Iallreduce)."""
+        MPI = load_mpi()
+        flat = call.flat
         dtype, numel = flat.dtype, flat.numel()
         reduce_in = work_dtype(dtype)
-        # Where the result lands: the caller's memory (in place), else a buffer of ours.
-        if inplace and view:
-            out = flat
-        elif view:
-            out = torch.empty(numel, dtype=dtype)
-        else:
-            out = flat  # the fused copy is already ours
+        out = call.out_buffer()  # the caller's memory (in place), else a buffer of ours
         scratch = []
         if reduce_in != dtype:
             work = self._pool.take(numel, reduce_in)
@@ -518,147 +545,82 @@ class MPIEngine(Engine):
             if out is not flat:
                 out.copy_(flat)
         n = self.size
-        ring = n > 1 and numel * work.element_size() >= RING_MIN_BYTES
-        average = op == "avg" and n > 1
+        ring = numel * work.element_size() >= RING_MIN_BYTES
+        average = op == "avg"
+        if self.timeline is not None:
+            call.meta["algorithm"] = "ring" if ring else "mpi"
 
-        def finish() -> TensorOrList:
+        def finish() -> Any:
             if average and not ring:  # the ring divides as it completes each chunk
                 work.div_(n)
             if work is not out:
                 out.copy_(work)
             for t in scratch:
                 self._pool.give(t)
-            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
+            return call.deliver(out)
 
-        nbytes = numel * flat.element_size()
-        meta = {"reduce": op, "algorithm": "ring" if ring else "mpi"} if self.timeline else {}
-        if n == 1:
-            return self._track("allreduce", nbytes, started, finish, None, **meta)
-        MPI = _mpi()
         if ring:
             inbox = self._pool.take(split_counts(numel, n)[0], reduce_in)
             scratch.append(inbox)
             stages = _Stages(_ring_allreduce(self.comm, work, inbox, average, self._next_tag()), finish)
             if blocking:
                 stages.wait_requests()
-            return self._track("allreduce", nbytes, started, stages.wait, stages.test, **meta)
+            return stages.pending()
         if blocking:
             self.comm.Allreduce(MPI.IN_PLACE, work.numpy(), op=MPI.SUM)
-            return self._track("allreduce", nbytes, started, finish, None, **meta)
+            return finish, None
         req = self.comm.Iallreduce(MPI.IN_PLACE, work.numpy(), op=MPI.SUM)
+        return _after(req, finish)
 
-        def wait() -> TensorOrList:
-            req.Wait()
-            return finish()
+    def _post_broadcast(self, call: Call, root: int) -> Pending:
+        out = call.writable()
+        return _after(self.comm.Ibcast(as_buffer(out), root=root), lambda: call.deliver(out))
 
-        return self._track("allreduce", nbytes, started, wait, req.Test, **meta)
+    def _post_barrier(self, blocking: bool) -> Pending:
+        if blocking:
+            self.comm.Barrier()
+            return _nothing, None
+        return _after(self.comm.Ibarrier(), _nothing)
 
-    def ibroadcast(self, tensors: TensorOrList, root: int = 0) -> Handle:
-        return self._broadcast(tensors, root, inplace=False)
-
-    def ibroadcast_(self, tensors: TensorOrList, root: int = 0) -> Handle:
-        return self._broadcast(tensors, root, inplace=True)
-
-    def _broadcast(self, tensors: TensorOrList, root: int, inplace: bool) -> Handle:
-        started = time.perf_counter()
-        if not 0 <= root < self.size:
-            raise ValueError(f"root={root}; allowed 0..{self.size - 1}")
-        tensors, single = as_list(tensors)
-        flat = fuse(tensors)
-        view = is_view_of(flat, tensors)
-        out = flat.clone() if view and not inplace else flat
-
-        def finish() -> TensorOrList:
-            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
-
-        nbytes = out.numel() * out.element_size()
-        if self.size == 1:
-            return self._track("broadcast", nbytes, started, finish, None, root=root)
-        req = self.comm.Ibcast(as_buffer(out), root=root)
-
-        def wait() -> TensorOrList:
-            req.Wait()
-            return finish()
-
-        return self._track("broadcast", nbytes, started, wait, req.Test, root=root)
-
-    def ibarrier(self) -> Handle:
-        started = time.perf_counter()
-        if self.size == 1:
-            return self._track("barrier", 0, started, lambda: None)
-        req = self.comm.Ibarrier()
-
-        def wait() -> None:
-            req.Wait()
-
-        return self._track("barrier", 0, started, wait, req.Test)
-
-    def barrier(self) -> None:
-        self._blocking("barrier", self.comm.Barrier)
-
-    def iallgather(self, tensors: TensorOrList) -> Handle:
-        """Every rank's tensor(s) along dim 0 in rank order; first dims may differ.
-
-        The sizes are agreed at call time (one tiny blocking Allgather, two
-        for a list), so only the data moves in the background: a collective
-        posted later, from wait(), could be posted in another order on
-        another rank.
-        """
-        started = time.perf_counter()
-        tensors, single = as_list(tensors)
-        flat = fuse(tensors)
+    def _post_allgather(self, call: Call) -> Pending:
+        """The sizes are agreed at call time (one tiny blocking Allgather, two for a list), so only
+        the data moves in the background: a collective posted later, from wait(), could be posted
+        in another order on another rank."""
+        tensors, flat = call.tensors, call.flat
         n, k = self.size, len(tensors)
         dims = first_dims(tensors)
-        nbytes = flat.numel() * flat.element_size()
-        row_size = [int(np.prod(t.shape[1:])) if t.dim() else 1 for t in tensors]
-        if n == 1:
-            out = [t.detach().reshape(rows_shape(t, d)).clone() for t, d in zip(tensors, dims)]
-            return self._track("allgather", nbytes, started, lambda: out[0] if single else out)
-        head = np.array([k, DTYPE_CODES.get(flat.dtype, 0), shape_signature(tensors), flat.numel(), dims[0]], np.int64)
+        head = np.concatenate([header(flat.numel(), flat.dtype, k, shape_signature(tensors)), [dims[0]]])
         heads = np.empty((n, head.size), np.int64)
         self.comm.Allgather(head, heads)
-        for r in range(n):
-            if (heads[r, :3] != head[:3]).any():
-                raise CommError(
-                    f"allgather: rank {r} gives {heads[r, 0]} tensor(s) of {dtype_name(heads[r, 1])} "
-                    f"(trailing shapes #{heads[r, 2]}), rank {self.rank} gives {head[0]} of "
-                    f"{dtype_name(head[1])} (#{head[2]}); allowed: the same list, only first dims may differ"
-                )
+        problems = allgather_problems(heads[:, :HEADER], self.rank)
+        if problems:
+            raise mismatch_error("allgather", problems)
         if k == 1:
-            rows = heads[:, 4:5].copy()
+            rows = heads[:, HEADER:].copy()
         else:
             rows = np.empty((n, k), np.int64)
             self.comm.Allgather(np.array(dims, np.int64), rows)
-        counts = heads[:, 3].tolist()
+        counts = heads[:, 0].tolist()
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
         everything = torch.empty(int(sum(counts)), dtype=flat.dtype)
         req = self.comm.Iallgatherv(as_buffer(flat), [as_buffer(everything), (counts, displs)])
 
-        def finish() -> TensorOrList:
-            req.Wait()
-            if k == 1:
-                return everything.view(rows_shape(tensors[0], int(rows[:, 0].sum())))
-            parts: list[list[torch.Tensor]] = [[] for _ in range(k)]
-            offset = 0
-            for r in range(n):
-                for i in range(k):
-                    m = int(rows[r, i]) * row_size[i]
-                    parts[i].append(everything[offset : offset + m])
-                    offset += m
-            return [torch.cat(p).view(rows_shape(t, int(rows[:, i].sum()))) for i, (p, t) in enumerate(zip(parts, tensors))]
+        def finish() -> Any:
+            if k == 1:  # rank order is tensor order: the buffer as it came
+                return call.as_given([everything.view(rows_shape(tensors[0], int(rows[:, 0].sum())))])
+            per_rank = [everything[displs[r] : displs[r] + counts[r]] for r in range(n)]
+            return call.as_given(ungather(per_rank, rows, tensors))
 
-        return self._track("allgather", nbytes, started, finish, req.Test)
+        return _after(req, finish)
 
     # neighbor exchange --------------------------------------------------
-    def _post_exchange(
-        self, comm: Any, op: str, flat: torch.Tensor, spec: NeighborSpec, decl: _Declarations | None, tag: int
-    ) -> _Exchange:
+    def _post_exchange(self, comm: Any, flat: torch.Tensor, spec: NeighborSpec, tag: int) -> _Exchange:
         """Post the sends (scaled where the sender weighs) and receives of one neighbor exchange.
 
         ``tag`` is taken when the op is *called* (every rank calls ops in one
         order), never when a later stage runs from wait() or done().
         """
-        ex = _Exchange(comm, tag, op, comm.Get_rank(), decl, spec)
+        ex = _Exchange(comm, tag)
         for dst, w in spec.dst_weights.items():
             payload = flat
             if w != 1.0:
@@ -678,231 +640,82 @@ class MPIEngine(Engine):
             self._pool.give(t)
         ex.scratch = []
 
-    def ineighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=False)
+    def _verify(self, ex: _Exchange, gathering: _Gathering, aux: Any = None) -> None:
+        """Raise the exchange's CommError on every rank when the declarations disagree (after cleaning up)."""
+        declaration = gathering.declaration
+        problems = declaration.verdict(gathering.rows)
+        if problems:
+            ex.abandon(declaration.table(gathering.rows).sends[:, self.rank], aux)
+            self._release(ex)
+            raise declaration.error(problems)
 
-    def neighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> TensorOrList:
-        return self._blocking(
-            "neighbor_allreduce",
-            lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, False, blocking=True).wait(),
-        )
-
-    def neighbor_allreduce_(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> TensorOrList:
-        return self._blocking(
-            "neighbor_allreduce_",
-            lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, blocking=True).wait(),
-        )
-
-    def ineighbor_allreduce_(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=True)
-
-    def _neighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None,
-        src_weights: Weights | None,
-        dst_weights: DstWeights | None,
-        inplace: bool,
-        blocking: bool = False,
-    ) -> Handle:
+    def _post_neighbor_allreduce(
+        self, call: Call, spec: NeighborSpec, declaration: Declaration | None, blocking: bool
+    ) -> Pending:
         """``blocking``: the declarations travel by a blocking Allgather while the data moves
         (the blocking forms wait anyway; this keeps nonblocking-collective progress out of them)."""
-        started = time.perf_counter()
-        op = "neighbor_allreduce"
-        spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
-        tensors, single = as_list(tensors)
-        check_float(tensors, op)
-        flat = fuse(tensors)
-        view = is_view_of(flat, tensors)
-        nbytes = flat.numel() * flat.element_size()
-        meta = {"src": sorted(spec.src_weights), "dst": sorted(spec.dst_weights)} if self.timeline else {}
-
-        def combine(received: dict[int, torch.Tensor]) -> TensorOrList:
-            pairs = [(received[s], w) for s, w in spec.src_weights.items()]
-            if view and not inplace:  # the caller's memory: combine into a new tensor
-                out = flat * spec.self_weight
-                weighted_combine_(out, 1.0, pairs)
-            else:  # our fused copy, or the caller asked for in place
-                out = weighted_combine_(flat, spec.self_weight, pairs)
-            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
-
-        if self.size == 1:
-            return self._track(op, nbytes, started, lambda: combine({}), **meta)
-        decl = None
-        if self.check_neighbors:
-            decl = _Declarations(
-                self.comm,
-                self.size,
-                list(spec.src_weights),
-                list(spec.dst_weights),
-                flat.numel(),
-                flat.dtype,
-                post=not blocking,
-            )
-        ex = self._post_exchange(self.comm, op, flat, spec, decl, self._next_tag())
-        if decl is not None and decl.request is None:
-            decl.gather(self.comm)
+        gathering = _Gathering(self.comm, declaration, post=not blocking) if declaration is not None else None
+        ex = self._post_exchange(self.comm, call.flat, spec, self._next_tag())
+        if gathering is not None and gathering.request is None:
+            gathering.gather()
 
         def plan() -> Iterator[list]:
-            if decl is not None:
-                if decl.request is not None:
-                    yield [decl.request]
-                try:
-                    ex.verify(self._verdicts)
-                except CommError:
-                    self._release(ex)
-                    raise
-            yield ex.send_requests + list(ex.recv_requests.values())
+            if gathering is not None:
+                if gathering.request is not None:
+                    yield [gathering.request]
+                self._verify(ex, gathering)
+            yield ex.requests()
 
-        def finish() -> TensorOrList:
+        def finish() -> Any:
             try:
-                return combine(ex.received)
+                return call.combine(spec, ex.received)
             finally:
                 self._release(ex)
 
-        stages = _Stages(plan(), finish)
-        return self._track(op, nbytes, started, stages.wait, stages.test, **meta)
+        return _Stages(plan(), finish).pending()
 
-    def ineighbor_allgather(
-        self,
-        tensors: TensorOrList,
-        src_ranks: Sequence[int] | None = None,
-        dst_ranks: Sequence[int] | None = None,
-    ) -> Handle:
-        started = time.perf_counter()
-        op = "neighbor_allgather"
-        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
-        tensors, single = as_list(tensors)
-        flat = fuse(tensors)
-        k = len(tensors)
-        dims = np.array(first_dims(tensors), np.int64)
-        row_size = [int(np.prod(t.shape[1:])) if t.dim() else 1 for t in tensors]
-        nbytes = flat.numel() * flat.element_size()
-        meta = {"src": srcs, "dst": dsts}
-
-        def assemble(received: dict[int, tuple[np.ndarray, torch.Tensor]]) -> TensorOrList:
-            parts: list[list[torch.Tensor]] = [[] for _ in range(k)]
-            for s in srcs:
-                rows, data = received[s]
-                offset = 0
-                for i in range(k):
-                    m = int(rows[i]) * row_size[i]
-                    parts[i].append(data[offset : offset + m])
-                    offset += m
-            out = []
-            for i, t in enumerate(tensors):
-                total = int(sum(received[s][0][i] for s in srcs))
-                joined = torch.cat(parts[i]) if parts[i] else torch.empty(0, dtype=flat.dtype)
-                out.append(joined.view(rows_shape(t, total)))
-            return out[0] if single else out
-
-        if self.size == 1:
-            return self._track(op, nbytes, started, lambda: assemble({}), **meta)
+    def _post_neighbor_allgather(
+        self, call: Call, declaration: GatherDeclaration, srcs: list[int], dsts: list[int]
+    ) -> Pending:
+        flat, k = call.flat, len(call.tensors)
+        dims = np.array(first_dims(call.tensors), np.int64)
         tag = self._next_tag()
-        decl = _Declarations(
-            self.comm, self.size, srcs, dsts, flat.numel(), flat.dtype, count=k, signature=shape_signature(tensors)
-        )
-        spec = NeighborSpec(1.0, {s: 1.0 for s in srcs}, {d: 1.0 for d in dsts})
-        ex = _Exchange(self.comm, tag, op, self.rank, decl, spec)
+        gathering = _Gathering(self.comm, declaration)
+        ex = _Exchange(self.comm, tag)
         for d in dsts:  # the shape header on the aux communicator, the data on the main one
             ex.send_requests.append(self._aux.Isend(dims, dest=d, tag=tag))
             ex.send_requests.append(self.comm.Isend(as_buffer(flat), dest=d, tag=tag))
         got: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
 
         def plan() -> Iterator[list]:
-            yield [decl.request]
-            headers, expects, sends = decl.parse()
-            problems = pattern_problems(op, sends, expects, None, headers[:, 1])
-            for i, j in np.argwhere(sends.T & expects).tolist():
-                if (headers[i, 2:] != headers[j, 2:]).any():
-                    problems.append(
-                        f"rank {j} sends {headers[j, 2]} tensor(s) of trailing shapes #{headers[j, 3]} to rank {i}, "
-                        f"which has {headers[i, 2]} of #{headers[i, 3]} (only first dims may differ)"
-                    )
-            if problems:
-                ex.abandon(sends[:, self.rank], aux=self._aux)
-                raise mismatch_error(op, problems)
+            yield [gathering.request]
+            self._verify(ex, gathering, aux=self._aux)
+            numels = declaration.table(gathering.rows).numels
             requests = list(ex.send_requests)
             for s in srcs:
                 rows = np.empty(k, np.int64)
-                data = torch.empty(int(headers[s, 0]), dtype=flat.dtype)
+                data = torch.empty(int(numels[s]), dtype=flat.dtype)
                 got[s] = (rows, data)
                 requests.append(self._aux.Irecv(rows, source=s, tag=tag))
                 requests.append(self.comm.Irecv(as_buffer(data), source=s, tag=tag))
             yield requests
 
-        stages = _Stages(plan(), lambda: assemble(got))
-        return self._track(op, nbytes, started, stages.wait, stages.test, **meta)
+        def assemble() -> Any:
+            return call.as_given(ungather([got[s][1] for s in srcs], [got[s][0] for s in srcs], call.tensors))
 
-    def ihierarchical_neighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=False)
+        return _Stages(plan(), assemble).pending()
 
-    def ihierarchical_neighbor_allreduce_(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
-    ) -> Handle:
-        return self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=True)
-
-    def _hierarchical(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None,
-        src_weights: Weights | None,
-        dst_weights: DstWeights | None,
-        inplace: bool,
-    ) -> Handle:
+    def _post_hierarchical(self, call: Call, spec: NeighborSpec, declaration: MachineDeclaration | None) -> Pending:
         """Reduce-scatter inside the machine, exchange each slice with the same local rank of
         neighbor machines, allgather inside the machine: every byte crosses machines once."""
-        started = time.perf_counter()
-        op = "hierarchical_neighbor_allreduce"
-        spec = self.machine_spec(self_weight, src_weights, dst_weights)
-        tensors, single = as_list(tensors)
-        check_float(tensors, op)
-        flat = fuse(tensors)
-        view = is_view_of(flat, tensors)
+        MPI = load_mpi()
+        flat = call.flat
         dtype, numel = flat.dtype, flat.numel()
         reduce_in = work_dtype(dtype)
         L = self.local_size
         counts = split_counts(numel, L)
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
         mine = counts[self.local_rank]
-        nbytes = numel * flat.element_size()
-        meta = {"src_machines": sorted(spec.src_weights), "dst_machines": sorted(spec.dst_weights)}
-        MPI = _mpi()
-
         send = flat
         if reduce_in != dtype:
             send = self._pool.take(numel, reduce_in)
@@ -913,29 +726,24 @@ class MPIEngine(Engine):
         if reduce_in != dtype:
             gathered = self._pool.take(numel, reduce_in)
             scratch.append(gathered)
-        elif inplace and view:
-            gathered = flat
-        elif view:
-            gathered = torch.empty(numel, dtype=dtype)
         else:
-            gathered = flat
+            gathered = call.out_buffer()
         tag = self._next_tag()
-        decl = _Declarations(
-            self.comm, self.machines, list(spec.src_weights), list(spec.dst_weights), numel, dtype
-        )
-        first = [decl.request, self._local.Ireduce_scatter(send.numpy(), piece.numpy(), counts, op=MPI.SUM)]
+        first = [self._local.Ireduce_scatter(send.numpy(), piece.numpy(), counts, op=MPI.SUM)]
+        gathering = _Gathering(self.comm, declaration) if declaration is not None else None
+        if gathering is not None:
+            first.insert(0, gathering.request)
 
         def plan() -> Iterator[list]:
             yield first
-            headers, expects, sends = decl.parse()
-            problems = machine_problems(op, headers, expects, sends, L)
+            problems = gathering.declaration.verdict(gathering.rows) if gathering is not None else []
             if problems:
                 for t in scratch:
                     self._pool.give(t)
-                raise mismatch_error(op, problems)
+                raise gathering.declaration.error(problems)
             piece.div_(L)
-            ex = self._post_exchange(self._cross, op, piece, spec, None, tag)
-            yield ex.send_requests + list(ex.recv_requests.values())
+            ex = self._post_exchange(self._cross, piece, spec, tag)
+            yield ex.requests()
             # Point to point inside the machine (a collective posted from wait()
             # could meet another op's on a rank that waits in another order).
             weighted_combine_(piece, spec.self_weight, [(ex.received[s], w) for s, w in spec.src_weights.items()])
@@ -950,225 +758,16 @@ class MPIEngine(Engine):
                     requests.append(self._local.Irecv(target.numpy(), source=lr, tag=tag))
             yield requests
 
-        def finish() -> TensorOrList:
+        def finish() -> Any:
             out = gathered
             if reduce_in != dtype:
-                out = flat if (inplace and view) else (torch.empty(numel, dtype=dtype) if view else flat)
+                out = call.out_buffer()
                 out.copy_(gathered)
             for t in scratch:
                 self._pool.give(t)
-            return copy_back(out, tensors, single) if inplace else restore(out, tensors, single)
+            return call.deliver(out)
 
-        stages = _Stages(plan(), finish)
-        return self._track(op, nbytes, started, stages.wait, stages.test, **meta)
-
-    # windows ------------------------------------------------------------
-    def win_create(
-        self,
-        tensor: torch.Tensor,
-        name: str,
-        src_ranks: Sequence[int] | None = None,
-        dst_ranks: Sequence[int] | None = None,
-        zero_init: bool = True,
-        weight: float = 1.0,
-    ) -> torch.Tensor:
-        started = time.perf_counter()
-        MPI = _mpi()
-        if name in self._windows:
-            raise ValueError(f"window {name!r} exists; free it first (win_free)")
-        check_float([tensor], "win_create")
-        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
-        flat = tensor.detach().contiguous().view(-1)
-        numel, dtype, n = flat.numel(), flat.dtype, self.size
-        item = flat.element_size()
-        # Collective check first: both sides of every edge and the window's name must agree.
-        decl = _Declarations(self.comm, n, srcs, dsts, numel, dtype, signature=zlib.crc32(name.encode()))
-        decl.request.Wait()
-        headers, expects, sends = decl.parse()
-        problems = pattern_problems("win_create", sends, expects, headers[:, 0], headers[:, 1])
-        if (headers[:, 3] != headers[self.rank, 3]).any():
-            problems.append(f"ranks disagree on the window name (this rank: {name!r})")
-        if problems:
-            raise mismatch_error(f"win_create({name!r})", problems)
-        in_lists = [np.flatnonzero(expects[r]).tolist() for r in range(n)]
-        data_bytes = [(1 + len(in_lists[r])) * numel * item for r in range(n)]
-        remote_slot = {d: 1 + in_lists[d].index(self.rank) for d in dsts}
-        weights_at = {r: _align8(data_bytes[r]) for r in range(n)}
-        total = weights_at[self.rank] + (1 + len(srcs)) * 8
-        win = MPI.Win.Allocate(total, 1, comm=self.comm)
-        memory = np.frombuffer(win.tomemory(), np.uint8)
-        raw = torch.from_numpy(memory[: data_bytes[self.rank]])
-        data = raw.view(dtype).view(1 + len(srcs), numel)
-        weights = memory[weights_at[self.rank] : total].view(np.float64)
-        w = _Window(name, win, numel, dtype, srcs, dsts, data, weights, remote_slot, weights_at)
-        win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-        data[0].copy_(flat)
-        data[1:].zero_()
-        weights[0] = weight
-        weights[1:] = 0.0
-        win.Unlock(self.rank)
-        self._windows[name] = w
-        self.comm.Barrier()  # every window initialized before anyone reaches into one
-        if not zero_init:
-            self._win_get(w, {s: 1.0 for s in srcs})
-            self.comm.Barrier()
-        if self._blocking_depth == 0:
-            self.comm_time_s += time.perf_counter() - started
-        if self.timeline is not None:
-            self.timeline.blocked("win_create", started, time.perf_counter())
-        return w.own
-
-    def win_free(self, name: str | None = None) -> None:
-        names = sorted(self._windows) if name is None else [name]
-        for nm in names:
-            w = self._window(nm)
-            for f in w.pending:
-                f.exception()  # wait; errors were the caller's to collect from the handle
-            self._windows.pop(nm)
-            w.win.Free()  # collective
-
-    def win_tensor(self, name: str) -> torch.Tensor:
-        return self._window(name).own
-
-    def win_weight(self, name: str) -> float:
-        return float(self._window(name).weights[0])
-
-    def _window(self, name: str) -> _Window:
-        try:
-            return self._windows[name]
-        except KeyError:
-            raise ValueError(f"no window {name!r}; created: {sorted(self._windows) or 'none'}") from None
-
-    def _run_window_op(self, w: _Window, op: str, nbytes: int, started: float, fn: Callable[[], Any], **meta: Any) -> Handle:
-        """Run a window op on the helper thread (or inline) and hand back a tracked handle."""
-        if not self._threaded_windows:
-            result = fn()
-            return self._track(op, nbytes, started, lambda: result, None, **meta)
-        if self._window_thread is None:
-            self._window_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bfexp-window")
-        future = self._window_thread.submit(fn)
-        w.pending = [f for f in w.pending if not f.done()] + [future]
-        return self._track(op, nbytes, started, future.result, future.done, **meta)
-
-    def _push(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None,
-        dst_weights: DstWeights | None,
-        accumulate: bool,
-    ) -> Handle:
-        started = time.perf_counter()
-        op = "win_accumulate" if accumulate else "win_put"
-        w = self._window(name)
-        dst = normalize_dst(dst_weights)
-        dst = {d: 1.0 for d in w.dsts} if dst is None else dst
-        self._check_window_targets(w, list(dst), w.dsts, "destinations", op)
-        x = self._window_payload(w, tensor, op)
-        nbytes = w.row_bytes * len(dst)
-        return self._run_window_op(
-            w, op, nbytes, started, lambda: self._win_push(w, x, dst, self_weight, accumulate), dst=sorted(dst), window=name
-        )
-
-    def _win_push(
-        self, w: _Window, x: torch.Tensor, dst: dict[int, float], self_weight: float | None, accumulate: bool
-    ) -> None:
-        MPI = _mpi()
-        p = float(w.weights[0])
-        mpi_type = _mpi_float(w.dtype)
-        for d, weight in dst.items():
-            payload = x if weight == 1.0 else x * weight
-            pw = np.array([p * weight], np.float64)
-            row = w.remote_slot[d]
-            disp = row * w.row_bytes
-            wdisp = w.remote_weights_at[d] + row * 8
-            if accumulate and mpi_type is None:
-                # MPI cannot add half precision: read, add in float32, write, under an exclusive lock.
-                current = torch.empty(w.numel, dtype=w.dtype)
-                cw = np.empty(1, np.float64)
-                w.win.Lock(d, MPI.LOCK_EXCLUSIVE)
-                w.win.Get(_raw_bytes(current), d, target=(disp, w.row_bytes, MPI.BYTE))
-                w.win.Get(cw, d, target=(wdisp, 8, MPI.BYTE))
-                w.win.Flush(d)
-                total = (current.float() + payload.float()).to(w.dtype)
-                pw += cw
-                w.win.Put(_raw_bytes(total), d, target=(disp, w.row_bytes, MPI.BYTE))
-                w.win.Put(pw, d, target=(wdisp, 8, MPI.BYTE))
-                w.win.Unlock(d)
-                continue
-            w.win.Lock(d, MPI.LOCK_SHARED)
-            if accumulate:
-                w.win.Accumulate(payload.numpy(), d, target=(disp, w.numel, mpi_type), op=MPI.SUM)
-                w.win.Accumulate(pw, d, target=(wdisp, 1, MPI.DOUBLE), op=MPI.SUM)
-            else:
-                w.win.Put(_raw_bytes(payload), d, target=(disp, w.row_bytes, MPI.BYTE))
-                w.win.Put(pw, d, target=(wdisp, 8, MPI.BYTE))
-            w.win.Unlock(d)
-        if self_weight is not None:
-            w.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-            if x.data_ptr() == w.own.data_ptr():
-                w.own.mul_(self_weight)
-            else:
-                torch.mul(x, self_weight, out=w.own)
-            w.weights[0] = p * self_weight
-            w.win.Unlock(self.rank)
-
-    def iwin_get(self, name: str, src_weights: Weights | None = None) -> Handle:
-        started = time.perf_counter()
-        w = self._window(name)
-        src = {s: 1.0 for s in w.srcs} if src_weights is None else {int(k): float(v) for k, v in src_weights.items()}
-        self._check_window_targets(w, list(src), w.srcs, "sources", "win_get")
-        return self._run_window_op(
-            w, "win_get", w.row_bytes * len(src), started, lambda: self._win_get(w, src), src=sorted(src), window=name
-        )
-
-    def _win_get(self, w: _Window, src: dict[int, float]) -> None:
-        MPI = _mpi()
-        fetched = torch.empty(w.numel, dtype=w.dtype)
-        fw = np.empty(1, np.float64)
-        for s, weight in src.items():
-            w.win.Lock(s, MPI.LOCK_SHARED)
-            w.win.Get(_raw_bytes(fetched), s, target=(0, w.row_bytes, MPI.BYTE))
-            w.win.Get(fw, s, target=(w.remote_weights_at[s], 8, MPI.BYTE))
-            w.win.Unlock(s)
-            row = w.slot_of(s)
-            w.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-            torch.mul(fetched, weight, out=w.data[row])
-            w.weights[row] = fw[0] * weight
-            w.win.Unlock(self.rank)
-
-    def iwin_update(
-        self,
-        name: str,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        reset: bool = False,
-    ) -> Handle:
-        started = time.perf_counter()
-        w = self._window(name)
-        if (self_weight is None) != (src_weights is None):
-            raise ValueError("give self_weight and src_weights together, or neither")
-        if src_weights is None:
-            uniform = 1.0 / (1 + len(w.srcs))
-            self_weight, src_weights = uniform, {s: uniform for s in w.srcs}
-        src = {int(k): float(v) for k, v in src_weights.items()}
-        self._check_window_targets(w, list(src), w.srcs, "sources", "win_update")
-        return self._run_window_op(
-            w, "win_update", 0, started, lambda: self._win_update(w, float(self_weight), src, reset), window=name
-        )
-
-    def _win_update(self, w: _Window, self_weight: float, src: dict[int, float], reset: bool) -> torch.Tensor:
-        MPI = _mpi()
-        rows = [(w.slot_of(s), weight) for s, weight in src.items()]
-        w.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-        weighted_combine_(w.own, self_weight, [(w.data[r], weight) for r, weight in rows])
-        w.weights[0] = self_weight * w.weights[0] + sum(weight * w.weights[r] for r, weight in rows)
-        if reset:
-            for r, _ in rows:
-                w.data[r].zero_()
-                w.weights[r] = 0.0
-        w.win.Unlock(self.rank)
-        return w.own
+        return _Stages(plan(), finish).pending()
 
     # lifecycle ----------------------------------------------------------
     def close(self) -> None:
@@ -1176,10 +775,20 @@ class MPIEngine(Engine):
         if self._closed:
             return
         self._closed = True
-        if self._windows:
-            self.win_free()
-        if self._window_thread is not None:
-            self._window_thread.shutdown(wait=True)
-        for c in (self._aux, self._local, self._cross):
-            c.Free()
+        self._close_host()
+        self._aux.Free()
         self._pool.clear()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _after(request: Any, finish: Callable[[], Any]) -> Pending:
+    """Wait for one MPI request, then ``finish``; done() tests the request."""
+
+    def wait() -> Any:
+        request.Wait()
+        return finish()
+
+    return wait, request.Test

@@ -1,4 +1,4 @@
-"""CuPy-NCCL engine: the Engine contract on GPUs, one MPI rank per GPU.
+"""CuPy-NCCL engine: the Engine contract on GPUs, one MPI rank per GPU (transport only; the contract is engine.py's).
 
 MPI only bootstraps and coordinates: rank 0 makes the NCCL unique id and
 broadcasts it over mpi4py, every rank opens an ``NcclCommunicator`` on the
@@ -33,61 +33,44 @@ reach CuPy (the fused weighted-average kernel of bfexp.comm.nccl_kernels)
 through DLPack, without copies. CPU tensors are accepted too (the metrics
 code and the contract suite pass them): they are staged to this rank's GPU,
 go through NCCL all the same, and come back on the CPU. A result lives on
-the device its inputs came from.
+the device its inputs came from; the ``*_`` forms copy it into the caller's
+tensors on the caller's stream.
 
 Declarations: NCCL waits forever on a receive nobody sends, so before a
-neighbor exchange every rank's sources, destinations, size and dtype are
-gathered over MPI (one small allgather); a mismatch raises the contract's
-CommError on every rank before anything reaches NCCL. Gathers use the same
-exchange to learn the shapes they will receive.
+neighbor exchange every rank's declaration (bfexp.comm.declarations) is
+gathered over MPI (one small Allgather) and judged; a mismatch raises the
+contract's CommError on every rank before anything reaches NCCL. Gathers
+use the same exchange to learn the shapes they will receive.
 
 Windows (one-sided ops for asynchronous algorithms) are host-staged MPI:
 NCCL has only two-sided transfers, which need the target's participation,
 while a window's put/get/accumulate must complete without it. The engine
-keeps an MPIEngine on the same communicator and runs its MPI-3 windows; a
-window lives in host memory (``win_create`` returns its live own value as a
-CPU tensor), and GPU tensors handed to put/accumulate are copied to the host.
+keeps its windows as the MPI engine does (bfexp.comm.mpi.MPIHost, on the
+same communicator): a window lives in host memory (``win_create`` returns
+its live own value as a CPU tensor), and GPU tensors handed to
+put/accumulate are copied to the host.
 
-CuPy is imported lazily: ``nccl_available`` is the cheap probe the CLI runs
-before any rank starts.
+CuPy and MPI are imported lazily (importing this module initializes
+neither): ``nccl_available`` is the cheap probe the CLI runs before any
+rank starts.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import time
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
 
-from bfexp.comm.engine import (
-    CODE_DTYPES,
-    DTYPE_CODES,
-    HALF_DTYPES,
-    DstWeights,
-    Engine,
-    Handle,
-    NeighborSpec,
-    TensorOrList,
-    Weights,
-    as_list,
-    check_float,
-    first_dims,
-    fuse,
-    mismatch_error,
-    payload_bytes,
-    pattern_problems,
-    restore,
-    rows_shape,
-    shape_signature,
-)
+from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDeclaration
+from bfexp.comm.declarations import allgather_problems, header, mismatch_error, shape_signature
+from bfexp.comm.engine import Call, Engine, NeighborSpec, Pending, first_dims, row_numel, ungather, work_dtype
+from bfexp.comm.mpi import MPIHost, load_mpi
 
 INSTALL_HINT = "install the extra for your CUDA major: pip install 'bfexp[cuda12]' or 'bfexp[cuda13]'"
-
-
 def nccl_available(ranks: int, ranks_per_machine: int | None = None) -> tuple[bool, str]:
     """Can ``ranks`` NCCL ranks run here, one GPU each? ``(True, '')`` or ``(False, what is missing)``.
 
@@ -130,88 +113,6 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _mpi():
-    from mpi4py import MPI
-
-    return MPI
-
-
-# ------------------------------------------------------------------ declarations (host side, MPI)
-def declare(comm: Any, units: int, srcs: Sequence[int], dsts: Sequence[int], info: tuple) -> tuple[list, np.ndarray, np.ndarray]:
-    """Every rank's (sources, destinations, info) of one exchange, gathered over MPI.
-
-    Returns (infos by rank, expects[r, u]: r receives from u, sends[r, u]:
-    r sends to u); ``units`` are ranks, or machines for hierarchical ops.
-    Every rank gets the same table, so every rank finds the same problems.
-    """
-    table = comm.allgather((sorted(int(u) for u in srcs), sorted(int(u) for u in dsts), info))
-    expects = np.zeros((len(table), units), bool)
-    sends = np.zeros((len(table), units), bool)
-    for r, (s, d, _) in enumerate(table):
-        expects[r, s] = True
-        sends[r, d] = True
-    return [i for _, _, i in table], expects, sends
-
-
-def gather_info(tensors: Sequence[torch.Tensor]) -> tuple:
-    """What a receiver of gathered tensors must know: dtype, count, trailing shapes, first dims."""
-    return (DTYPE_CODES.get(tensors[0].dtype, 0), len(tensors), shape_signature(tensors), tuple(first_dims(tensors)))
-
-
-def gather_problems(infos: Sequence[tuple], pairs: Sequence[tuple[int, int]]) -> list[str]:
-    """Gathered tensors may differ in their first dimension only, between the ranks of each pair."""
-    problems = []
-    for j, i in pairs:
-        if infos[j][:3] != infos[i][:3]:
-            problems.append(
-                f"rank {j} gives {infos[j][1]} tensor(s) of another dtype or trailing shape than rank {i} "
-                "(only the first dimension may differ)"
-            )
-    return problems
-
-
-def row_numel(t: torch.Tensor) -> int:
-    """Elements in one row (dim 0 slice) of ``t``; a 0-d tensor is one row of one."""
-    n = 1
-    for d in t.shape[1:]:
-        n *= int(d)
-    return n
-
-
-def split_gathered(
-    rows: Sequence[torch.Tensor], row_counts: Sequence[Sequence[int]], like: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Cut each source's fused buffer into its tensors and concatenate them per tensor, source by source."""
-    per_tensor: list[list[torch.Tensor]] = [[] for _ in like]
-    for row, counts in zip(rows, row_counts):
-        offset = 0
-        for i, (t, count) in enumerate(zip(like, counts)):
-            shape = rows_shape(t, count)
-            n = count * row_numel(t)
-            per_tensor[i].append(row[offset : offset + n].view(shape))
-            offset += n
-    return [torch.cat(parts) for parts in per_tensor]
-
-
-def machine_problems(
-    infos: Sequence[tuple], expects: np.ndarray, sends: np.ndarray, local_size: int
-) -> list[str]:
-    """A hierarchical op: one size and dtype everywhere, one declaration per machine, consistent among machines."""
-    problems = []
-    for r, info in enumerate(infos):
-        if info != infos[0]:
-            problems.append(
-                f"rank {r} has {info[0]} x {CODE_DTYPES.get(info[1])}, rank 0 has {infos[0][0]} x {CODE_DTYPES.get(infos[0][1])}"
-            )
-            break
-    for r in range(len(infos)):
-        lead = r - r % local_size
-        if (expects[r] != expects[lead]).any() or (sends[r] != sends[lead]).any():
-            problems.append(f"rank {r} declares other machine weights than rank {lead} of its machine")
-    leaders = list(range(0, len(infos), local_size))
-    return problems + pattern_problems("hierarchical", sends[leaders], expects[leaders], unit="machine")
-
-
 # ------------------------------------------------------------------ tensors
 # torch dtype -> name of CuPy's NCCL datatype constant, for reductions.
 NCCL_TYPES = {
@@ -244,45 +145,41 @@ def as_cupy(t: torch.Tensor) -> Any:
     return cupy.from_dlpack(t)
 
 
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.detach().cpu() if t is not None and t.is_cuda else t
-
 
 # ------------------------------------------------------------------ the engine
-class NCCLEngine(Engine):
-    """The Engine contract over NCCL (through CuPy) on this rank's GPU; see the module doc."""
+class NCCLEngine(MPIHost, Engine):
+    """The Engine contract over NCCL (through CuPy) on this rank's GPU; see the module doc.
 
-    name = "nccl"
+    Declarations and windows go over MPI on the host (MPIHost), as on the MPI engine.
+    """
+
+    name: ClassVar[str] = "nccl"
+    virtual: ClassVar[bool] = False
+    processes: ClassVar[bool] = True
+    device_type: ClassVar[str] = "cuda"
 
     def __init__(
         self,
-        comm: Any = None,
+        *,
         ranks_per_machine: int = 0,
-        gpu: int | None = None,
         check_neighbors: bool = True,
+        gpu: int | None = None,
+        comm: Any = None,
         timeline_from_env: bool = True,
     ) -> None:
+        """``ranks_per_machine`` (0: all on one) groups ranks into machines; ``check_neighbors=False``
+        skips sharing each neighbor exchange's declarations first (a mismatch then hangs in NCCL);
+        ``gpu`` (default: the rank's index among the ranks of its physical machine)."""
         super().__init__()
         import cupy
         from cupy.cuda import nccl
 
-        from bfexp.comm.mpi import MPIEngine
-
-        MPI = _mpi()
         self._api = nccl
-        self.comm = comm if comm is not None else MPI.COMM_WORLD
-        rank, size = self.comm.Get_rank(), self.comm.Get_size()
-        self._local_size = ranks_per_machine or size
-        if size % self._local_size:
-            raise ValueError(f"ranks_per_machine={ranks_per_machine} does not divide {size} ranks")
-        # Share each exchange's declarations first: NCCL would wait forever on a mismatch.
         self.check_neighbors = check_neighbors
-        # MPI communicators are made here, collectively, so no op makes one half-way.
-        self.host = MPIEngine(self.comm, ranks_per_machine, timeline_from_env=False)  # windows
-        self._local_mpi = self.comm.Split(rank // self._local_size, rank)
-        self._cross_mpi = self.comm.Split(rank % self._local_size, rank)
+        self._join(comm, ranks_per_machine)
+        rank = self.rank
         if gpu is None:  # the rank's index among the ranks of its physical machine
-            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            node = self.comm.Split_type(load_mpi().COMM_TYPE_SHARED, key=rank)
             gpu = node.Get_rank()
             node.Free()
         gpus = cupy.cuda.runtime.getDeviceCount()
@@ -300,13 +197,9 @@ class NCCLEngine(Engine):
         if timeline_from_env:
             self.attach_timeline_from_env(rank)
 
-    @property
-    def rank(self) -> int:
-        return self.comm.Get_rank()
-
-    @property
-    def size(self) -> int:
-        return self.comm.Get_size()
+    @classmethod
+    def available(cls, ranks: int, ranks_per_machine: int | None = None) -> tuple[bool, str]:
+        return nccl_available(ranks, ranks_per_machine)
 
     def _open_communicator(self, comm: Any) -> Any:
         """An NCCL communicator over the ranks of an MPI communicator (collective over them)."""
@@ -332,36 +225,27 @@ class NCCLEngine(Engine):
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream), self._cupy_stream:
             yield
 
-    def _stage(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """One flat GPU buffer of the tensors, and whether they came from the CPU.
+    def _stage(self, call: Call) -> tuple[torch.Tensor, bool]:
+        """One flat GPU buffer of the call's tensors (fused on our stream), and whether they came from the CPU.
 
         No copy for GPU tensors that lie back to back (``fuse``): NCCL reads
         the caller's memory, so callers leave inputs alone until ``wait``.
         """
-        devices = {t.device for t in tensors}
+        devices = {t.device for t in call.tensors}
         if len(devices) != 1:
             raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}; allowed: one")
         device = devices.pop()
         if device.type == "cuda":
             if device != self.device:
                 raise ValueError(f"rank {self.rank}: tensor on {device}; this rank's engine uses {self.device}")
-            for t in tensors:  # read on our stream: keep their memory until we are done
+            for t in call.tensors:  # read on our stream: keep their memory until we are done
                 t.record_stream(self.stream)
-            return fuse(tensors), False
+            return call.flat, False
         if device.type != "cpu":
             raise ValueError(f"tensor on {device}; allowed: cuda or cpu tensors")
-        return fuse(tensors).to(self.device), True
+        return call.flat.to(self.device), True
 
-    def _deliver(
-        self,
-        op: str,
-        nbytes: int,
-        started: float,
-        results: list[torch.Tensor],
-        build: Callable[[list[torch.Tensor]], Any],
-        to_cpu: bool,
-        **meta: Any,
-    ) -> Handle:
+    def _deliver(self, results: list[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], to_cpu: bool) -> Pending:
         """Mark the end of the enqueued work with an event; ``wait`` hands ``build`` the results on the caller's device."""
         event = torch.cuda.Event()
         event.record(self.stream)
@@ -379,24 +263,23 @@ class NCCLEngine(Engine):
                 outs.append(out)
             return build(outs)
 
-        return self._track(op, nbytes, started, finish, event.query, **meta)
+        return finish, event.query
 
-    def _deliver_like(
-        self, op: str, nbytes: int, started: float, out: torch.Tensor, like: list[torch.Tensor], single: bool, to_cpu: bool, **meta: Any
-    ) -> Handle:
-        return self._deliver(op, nbytes, started, [out], lambda outs: restore(outs[0], like, single), to_cpu, **meta)
+    def _deliver_call(self, call: Call, out: torch.Tensor, to_cpu: bool) -> Pending:
+        """The flat result ``out``, delivered as ``call`` asked (new tensors, or written into the caller's)."""
+        return self._deliver([out], lambda outs: call.deliver(outs[0]), to_cpu)
+
+    def _check(self, declaration: Declaration | None) -> None:
+        """Gather and judge every rank's declaration before anything reaches NCCL (None: unchecked)."""
+        if declaration is not None:
+            declaration.verify(self._declare_all(declaration))
 
     # collectives --------------------------------------------------------
-    def iallreduce(self, tensors: TensorOrList, op: str = "avg") -> Handle:
-        started = time.perf_counter()
-        self.check_op(op)
-        tensors, single = as_list(tensors)
-        if op == "avg":
-            check_float(tensors, "allreduce(op='avg')")
+    def _post_allreduce(self, call: Call, op: str, blocking: bool) -> Pending:
         with self._on_stream():
-            flat, to_cpu = self._stage(tensors)
+            flat, to_cpu = self._stage(call)
             # Half precision is summed in float32, as the MPI engine does.
-            work = flat.float() if flat.dtype in HALF_DTYPES else flat
+            work = flat.to(work_dtype(flat.dtype))
             out = torch.empty_like(work)
             self._nccl.allReduce(
                 work.data_ptr(), out.data_ptr(), work.numel(), self._type(work.dtype),
@@ -404,26 +287,20 @@ class NCCLEngine(Engine):
             )
             if op == "avg":
                 out.div_(self.size)
-            out = out.to(flat.dtype)
-            return self._deliver_like("allreduce", payload_bytes(tensors), started, out, tensors, single, to_cpu)
+            return self._deliver_call(call, out.to(flat.dtype), to_cpu)
 
-    def ibroadcast(self, tensors: TensorOrList, root: int = 0) -> Handle:
-        started = time.perf_counter()
-        if not 0 <= root < self.size:
-            raise ValueError(f"root={root}; allowed: 0..{self.size - 1}")
-        tensors, single = as_list(tensors)
+    def _post_broadcast(self, call: Call, root: int) -> Pending:
         with self._on_stream():
-            flat, to_cpu = self._stage(tensors)
+            flat, to_cpu = self._stage(call)
             out = torch.empty_like(flat)
             self._nccl.broadcast(
                 as_bytes(flat).data_ptr(), as_bytes(out).data_ptr(), flat.numel() * flat.element_size(),
                 self._api.NCCL_UINT8, root, self._stream_ptr,
             )
-            return self._deliver_like("broadcast", payload_bytes(tensors), started, out, tensors, single, to_cpu, root=root)
+            return self._deliver_call(call, out, to_cpu)
 
-    def ibarrier(self) -> Handle:
+    def _post_barrier(self, blocking: bool) -> Pending:
         """Every rank has enqueued the barrier: a one-element NCCL allreduce."""
-        started = time.perf_counter()
         with self._on_stream():
             token = torch.zeros(1, device=self.device)
             self._nccl.allReduce(
@@ -431,23 +308,19 @@ class NCCLEngine(Engine):
             )
             event = torch.cuda.Event()
             event.record(self.stream)
-        return self._track("barrier", 0, started, lambda: event.synchronize(), event.query)
+        return event.synchronize, event.query
 
-    def iallgather(self, tensors: TensorOrList) -> Handle:
-        """Every rank's tensor(s) concatenated along dim 0 in rank order (dim 0 may differ).
-
-        Shapes travel in the MPI declaration exchange; NCCL then gathers one
-        fused buffer per rank, padded to the longest.
-        """
-        started = time.perf_counter()
-        tensors, single = as_list(tensors)
-        infos = self.comm.allgather(gather_info(tensors))
-        problems = gather_problems(infos, [(j, 0) for j in range(1, self.size)])
+    def _post_allgather(self, call: Call) -> Pending:
+        """Shapes travel over MPI first; NCCL then gathers one fused buffer per rank, padded to the longest."""
+        tensors = call.tensors
+        head = header(call.numel, call.dtype, len(tensors), shape_signature(tensors))
+        infos = self.comm.allgather((head, first_dims(tensors)))
+        problems = allgather_problems(np.stack([h for h, _ in infos]), self.rank)
         if problems:
             raise mismatch_error("allgather", problems)
-        counts = [sum(c * row_numel(t) for c, t in zip(info[3], tensors)) for info in infos]
+        counts = [sum(c * row_numel(t) for c, t in zip(dims, tensors)) for _, dims in infos]
         with self._on_stream():
-            flat, to_cpu = self._stage(tensors)
+            flat, to_cpu = self._stage(call)
             width = max(counts)
             send = flat
             if flat.numel() < width:
@@ -458,38 +331,17 @@ class NCCLEngine(Engine):
                 as_bytes(send).data_ptr(), as_bytes(gathered).data_ptr(), width * flat.element_size(),
                 self._api.NCCL_UINT8, self._stream_ptr,
             )
-            pieces = split_gathered(list(gathered), [info[3] for info in infos], tensors)
-            return self._deliver(
-                "allgather", payload_bytes(tensors), started, pieces, lambda outs: outs[0] if single else outs, to_cpu
-            )
+            pieces = ungather(list(gathered), [dims for _, dims in infos], tensors)
+            return self._deliver(pieces, call.as_given, to_cpu)
 
     # neighbor ops -------------------------------------------------------
-    def ineighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        started = time.perf_counter()
-        spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
-        tensors, single = as_list(tensors)
-        check_float(tensors, "neighbor_allreduce")
-        if self.check_neighbors:
-            numel, code = sum(t.numel() for t in tensors), DTYPE_CODES.get(tensors[0].dtype, 0)
-            infos, expects, sends = declare(self.comm, self.size, spec.src_weights, spec.dst_weights, (numel, code))
-            problems = pattern_problems(
-                "neighbor_allreduce", sends, expects, [i[0] for i in infos], [i[1] for i in infos]
-            )
-            if problems:
-                raise mismatch_error("neighbor_allreduce", problems)
+    def _post_neighbor_allreduce(
+        self, call: Call, spec: NeighborSpec, declaration: Declaration | None, blocking: bool
+    ) -> Pending:
+        self._check(declaration)
         with self._on_stream():
-            flat, to_cpu = self._stage(tensors)
-            out = self._mix(flat, spec, self._nccl)
-            return self._deliver_like(
-                "neighbor_allreduce", payload_bytes(tensors) * len(spec.dst_weights), started, out, tensors, single,
-                to_cpu, src=sorted(spec.src_weights), dst=sorted(spec.dst_weights),
-            )
+            flat, to_cpu = self._stage(call)
+            return self._deliver_call(call, self._mix(flat, spec, self._nccl), to_cpu)
 
     def _mix(self, flat: torch.Tensor, spec: NeighborSpec, comm: Any) -> torch.Tensor:
         """Grouped sends (scaled per destination) and receives, then one fused combine; on our stream."""
@@ -528,50 +380,29 @@ class NCCLEngine(Engine):
         finally:
             self._api.groupEnd()
 
-    def ineighbor_allgather(
-        self,
-        tensors: TensorOrList,
-        src_ranks: Sequence[int] | None = None,
-        dst_ranks: Sequence[int] | None = None,
-    ) -> Handle:
-        """In-neighbors' tensor(s) concatenated along dim 0 in ascending source rank (dim 0 may differ)."""
-        started = time.perf_counter()
-        tensors, single = as_list(tensors)
-        srcs, dsts = self.neighbor_ranks(src_ranks, dst_ranks)
-        # Always declared: receivers learn the shapes they will get.
-        infos, expects, sends = declare(self.comm, self.size, srcs, dsts, gather_info(tensors))
-        problems = pattern_problems("neighbor_allgather", sends, expects)
-        problems += gather_problems(infos, [tuple(e) for e in np.argwhere(sends).tolist()])
-        if problems:
-            raise mismatch_error("neighbor_allgather", problems)
+    def _post_neighbor_allgather(
+        self, call: Call, declaration: GatherDeclaration, srcs: list[int], dsts: list[int]
+    ) -> Pending:
+        """Always declared: receivers learn the shapes they will get in the same MPI allgather."""
+        tensors = call.tensors
+        infos = self.comm.allgather((declaration.row, first_dims(tensors)))
+        declaration.verify(np.stack([row for row, _ in infos]))
         with self._on_stream():
-            flat, to_cpu = self._stage(tensors)
-            width = [sum(c * row_numel(t) for c, t in zip(infos[r][3], tensors)) for r in srcs]
+            flat, to_cpu = self._stage(call)
+            width = [sum(c * row_numel(t) for c, t in zip(infos[r][1], tensors)) for r in srcs]
             inbox = [torch.empty(w, dtype=flat.dtype, device=self.device) for w in width]
             self._send_recv([(flat, d) for d in dsts], list(zip(inbox, srcs)), self._nccl)
-            if srcs:
-                pieces = split_gathered(inbox, [infos[r][3] for r in srcs], tensors)
-            else:  # nobody sends here: no rows
-                pieces = [torch.empty(rows_shape(t, 0), dtype=t.dtype, device=self.device) for t in tensors]
-            return self._deliver(
-                "neighbor_allgather", payload_bytes(tensors) * len(dsts), started, pieces,
-                lambda outs: outs[0] if single else outs, to_cpu, src=srcs, dst=dsts,
-            )
+            pieces = ungather(inbox, [infos[r][1] for r in srcs], tensors)
+            return self._deliver(pieces, call.as_given, to_cpu)
 
     def _machine_communicators(self) -> tuple[Any, Any]:
         """NCCL over this machine's ranks and over the ranks with this local rank (one per machine)."""
         if not self._sub:
-            self._sub["local"] = self._open_communicator(self._local_mpi)
-            self._sub["cross"] = self._open_communicator(self._cross_mpi)
+            self._sub["local"] = self._open_communicator(self._local)
+            self._sub["cross"] = self._open_communicator(self._cross)
         return self._sub["local"], self._sub["cross"]
 
-    def ihierarchical_neighbor_allreduce(
-        self,
-        tensors: TensorOrList,
-        self_weight: float | None = None,
-        src_machine_weights: Weights | None = None,
-        dst_machine_weights: DstWeights | None = None,
-    ) -> Handle:
+    def _post_hierarchical(self, call: Call, spec: NeighborSpec, declaration: MachineDeclaration | None) -> Pending:
         """Average inside each machine, mix the machine averages among machines, spread back.
 
         Every local rank carries 1/local_size of the machine average to the
@@ -579,102 +410,22 @@ class NCCLEngine(Engine):
         machine, exchange, fused combine, allgather inside the machine), so
         all of a machine's links share the traffic.
         """
-        started = time.perf_counter()
-        spec = self.machine_spec(self_weight, src_machine_weights, dst_machine_weights)
-        tensors, single = as_list(tensors)
-        check_float(tensors, "hierarchical_neighbor_allreduce")
-        if self.check_neighbors:
-            info = (sum(t.numel() for t in tensors), DTYPE_CODES.get(tensors[0].dtype, 0))
-            infos, expects, sends = declare(self.comm, self.machines, spec.src_weights, spec.dst_weights, info)
-            problems = machine_problems(infos, expects, sends, self.local_size)
-            if problems:
-                raise mismatch_error("hierarchical_neighbor_allreduce", problems)
+        self._check(declaration)
         local, cross = self._machine_communicators()
         L = self.local_size
         with self._on_stream():
-            flat, to_cpu = self._stage(tensors)
-            work_dtype = torch.float32 if flat.dtype in HALF_DTYPES else flat.dtype
+            flat, to_cpu = self._stage(call)
+            reduce_in = work_dtype(flat.dtype)
             chunk = -(-flat.numel() // L)
-            padded = torch.zeros(chunk * L, dtype=work_dtype, device=self.device)
+            padded = torch.zeros(chunk * L, dtype=reduce_in, device=self.device)
             padded[: flat.numel()] = flat
-            mine = torch.empty(chunk, dtype=work_dtype, device=self.device)
-            nccl_type = self._type(work_dtype)
+            mine = torch.empty(chunk, dtype=reduce_in, device=self.device)
+            nccl_type = self._type(reduce_in)
             local.reduceScatter(padded.data_ptr(), mine.data_ptr(), chunk, nccl_type, self._api.NCCL_SUM, self._stream_ptr)
             mine.div_(L)  # this rank's slice of its machine's average
             mixed = self._mix(mine, spec, cross)  # the cross communicator's ranks are the machines
             local.allGather(mixed.data_ptr(), padded.data_ptr(), chunk, nccl_type, self._stream_ptr)
-            out = padded[: flat.numel()].to(flat.dtype)
-            return self._deliver_like(
-                "hierarchical_neighbor_allreduce", payload_bytes(tensors), started, out, tensors, single, to_cpu,
-                src_machines=sorted(spec.src_weights), dst_machines=sorted(spec.dst_weights),
-            )
-
-    # windows: host-staged MPI (see the module doc) -------------------------
-    def win_create(
-        self,
-        tensor: torch.Tensor,
-        name: str,
-        src_ranks: Sequence[int] | None = None,
-        dst_ranks: Sequence[int] | None = None,
-        zero_init: bool = True,
-        weight: float = 1.0,
-    ) -> torch.Tensor:
-        """Collective: a window in host memory; returns its live own value (a CPU tensor)."""
-        if src_ranks is None or dst_ranks is None:  # the host engine has no topology of its own
-            src_ranks, dst_ranks = self.neighbor_ranks(src_ranks, dst_ranks)
-        return self._blocking(
-            "win_create", lambda: self.host.win_create(_to_host(tensor), name, src_ranks, dst_ranks, zero_init, weight)
-        )
-
-    def win_free(self, name: str | None = None) -> None:
-        self._blocking("win_free", lambda: self.host.win_free(name))
-
-    def win_tensor(self, name: str) -> torch.Tensor:
-        return self.host.win_tensor(name)
-
-    def win_weight(self, name: str) -> float:
-        return self.host.win_weight(name)
-
-    def _window_handle(self, op: str, name: str, started: float, peers: int, handle: Handle) -> Handle:
-        own = self.host.win_tensor(name)
-        return self._track(op, own.numel() * own.element_size() * peers, started, handle.wait, handle.done, window=name)
-
-    def iwin_put(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        started = time.perf_counter()
-        handle = self.host.iwin_put(_to_host(tensor), name, self_weight, dst_weights)
-        return self._window_handle("win_put", name, started, len(dst_weights or ()), handle)
-
-    def iwin_accumulate(
-        self,
-        tensor: torch.Tensor | None,
-        name: str,
-        self_weight: float | None = None,
-        dst_weights: DstWeights | None = None,
-    ) -> Handle:
-        started = time.perf_counter()
-        handle = self.host.iwin_accumulate(_to_host(tensor), name, self_weight, dst_weights)
-        return self._window_handle("win_accumulate", name, started, len(dst_weights or ()), handle)
-
-    def iwin_get(self, name: str, src_weights: Weights | None = None) -> Handle:
-        started = time.perf_counter()
-        handle = self.host.iwin_get(name, src_weights)
-        return self._window_handle("win_get", name, started, len(src_weights or ()), handle)
-
-    def iwin_update(
-        self,
-        name: str,
-        self_weight: float | None = None,
-        src_weights: Weights | None = None,
-        reset: bool = False,
-    ) -> Handle:
-        started = time.perf_counter()
-        return self._window_handle("win_update", name, started, 0, self.host.iwin_update(name, self_weight, src_weights, reset))
+            return self._deliver_call(call, padded[: flat.numel()].to(flat.dtype), to_cpu)
 
     # lifecycle ----------------------------------------------------------
     def close(self) -> None:
@@ -686,6 +437,4 @@ class NCCLEngine(Engine):
         for c in (self._nccl, *self._sub.values()):
             c.destroy()
         self._sub = {}
-        self.host.close()
-        for c in (self._local_mpi, self._cross_mpi):
-            c.Free()
+        self._close_host()

@@ -1,19 +1,43 @@
 """Graphs, dynamic schedules and mixing weights (see base.Topology).
 
-``build_topology(cfg, size)`` turns a ``topology`` config node into a
-Topology and raises ValueError, with a one-line message naming the bad value
-and what is allowed, for anything that cannot run (a rank count the graph
-cannot take, a disconnected graph, weights the graph cannot have). The CLI
-calls it before any rank starts and turns the error into exit code 2.
+One adjacency convention throughout: an edge u -> v means u sends to v, and
+W[v, u] is the weight v gives u's value (X+ = W X). Your own graph (custom.py):
+a networkx graph, a matrix or an edge list in Python (CustomTopology,
+MatrixTopology, AdjacencyTopology), files (the ``file`` option) or a
+function that makes one (the ``generated`` option); an input that does not
+say which way its entries point must be told (``direction=``).
+
+``build_topology(node, size, ranks_per_machine)`` is the one way a config
+becomes a Topology. ``node`` is a ``topology`` config node: ``_target_`` (a
+class or function, e.g. ``bfexp.topology.Ring`` or a user's own) plus its
+options. The target is called as ``target(size, **options)``, with
+``ranks_per_machine=`` added only when its signature takes it (the run's
+layout, never a YAML key), and must return a Topology on ``size`` ranks.
+
+Anything that cannot run (an unknown key, a value of the wrong type, a rank
+count the graph cannot take, a disconnected graph, weights the graph cannot
+have) raises a ConfigError (TopologyError for the graph itself) with a
+one-line ``key=value; allowed: ...`` message. The CLI calls it before any
+rank starts and turns the error into exit code 2.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from bfexp.topology.base import GraphTopology, RankWeights, Topology
-from bfexp.topology.custom import AdjacencyTopology, MatrixTopology, Undirected
+from bfexp.errors import TopologyError
+from bfexp.topology.base import GraphTopology, RankWeights, Topology, Undirected
+from bfexp.topology.base_graph import BaseGraph
+from bfexp.topology.custom import (
+    AdjacencyTopology,
+    CustomTopology,
+    Direction,
+    EdgeList,
+    FileTopology,
+    GeneratedTopology,
+    MatrixTopology,
+    Weights,
+)
 from bfexp.topology.dynamic import InnerOuterExp2, OnePeerExp2, OnePeerRing
 from bfexp.topology.graphs import (
     Exp2,
@@ -25,14 +49,19 @@ from bfexp.topology.graphs import (
     Star,
     SymmetricExp2,
 )
-from bfexp.topology.mixing import WEIGHT_SCHEMES
+from bfexp.topology.mixing import WEIGHT_SCHEMES, WeightScheme
 
 __all__ = [
-    "TOPOLOGIES",
     "WEIGHT_SCHEMES",
     "AdjacencyTopology",
+    "BaseGraph",
+    "CustomTopology",
+    "Direction",
+    "EdgeList",
     "Exp2",
+    "FileTopology",
     "FullyConnected",
+    "GeneratedTopology",
     "GraphTopology",
     "Hypercube",
     "InnerOuterExp2",
@@ -47,64 +76,36 @@ __all__ = [
     "SymmetricExp2",
     "Topology",
     "Undirected",
+    "WeightScheme",
+    "Weights",
     "build_topology",
-    "check_topology",
 ]
 
-# Config option name (conf/topology/<name>.yaml) -> class. Each class takes
-# (size, **the option's parameters); inner_outer_exp2 also ranks_per_machine.
-TOPOLOGIES: dict[str, Callable[..., Topology]] = {
-    cls.name: cls
-    for cls in (
-        Ring,
-        Exp2,
-        SymmetricExp2,
-        Mesh,
-        Star,
-        FullyConnected,
-        Hypercube,
-        RandomRegular,
-        OnePeerExp2,
-        OnePeerRing,
-        InnerOuterExp2,
-    )
-}
 
-# Classes that need to know how ranks sit on machines.
-_NEEDS_RANKS_PER_MACHINE = {"inner_outer_exp2"}
+def build_topology(node: Any, size: int, ranks_per_machine: int = 0) -> Topology:
+    """The Topology a ``topology`` node (``_target_`` + options) describes, on ``size`` ranks.
 
-
-def build_topology(cfg: Any, size: int, ranks_per_machine: int = 0) -> Topology:
-    """The topology a config node (``name`` + parameters) describes, for ``size`` ranks.
-
-    Raises ValueError (one line: the bad value and what is allowed) when it cannot run.
+    Raises a ConfigError-family error (one line: the bad value and what is allowed) when it cannot run.
     """
-    params = _as_dict(cfg)
-    name = params.pop("name", None)
-    if name not in TOPOLOGIES:
-        raise ValueError(f"topology={name!r}; allowed: {', '.join(TOPOLOGIES)}")
-    if name in _NEEDS_RANKS_PER_MACHINE:
-        params["ranks_per_machine"] = ranks_per_machine
-    accepted = [p for p in inspect.signature(TOPOLOGIES[name]).parameters if p != "size"]
-    for key in params:
-        if key not in accepted:
-            raise ValueError(f"topology={name} has no parameter {key!r}; allowed: {', '.join(accepted)}")
-    return TOPOLOGIES[name](size, **params)
+    # Hydra and OmegaConf load only when a config is built, not for a script that makes Exp2(n) itself.
+    from omegaconf import DictConfig
 
+    from bfexp.config import RUNTIME, check_node, signature_schema
 
-def check_topology(cfg: Any, size: int, ranks_per_machine: int = 0) -> None:
-    """Raise ValueError when this topology config cannot run on ``size`` ranks."""
-    build_topology(cfg, size, ranks_per_machine)
-
-
-def _as_dict(cfg: Any) -> dict[str, Any]:
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
-    except ImportError:  # pragma: no cover
-        pass
-    raise TypeError(f"topology config must be a mapping with a 'name'; got {type(cfg).__name__}")
+    if not isinstance(node, (Mapping, DictConfig)):
+        raise TypeError(f"a topology node is a mapping with _target_; got {type(node).__name__}")
+    # Unknown keys, wrong types and YAML-set run-time arguments fail here, named topology.<key>.
+    target, options = check_node(node, "topology", runtime=RUNTIME["topology"])
+    if "ranks_per_machine" in signature_schema(target)[0]:
+        options["ranks_per_machine"] = ranks_per_machine
+    topology = target(size, **options)
+    path = node["_target_"]
+    if not isinstance(topology, Topology):
+        raise TopologyError(
+            f"topology._target_={path} returned {type(topology).__name__}; allowed: a bfexp.topology.Topology"
+        )
+    if topology.size != size:
+        raise TopologyError(
+            f"topology._target_={path} built {topology.size} ranks for ranks={size}; allowed: a topology on ranks={size}"
+        )
+    return topology

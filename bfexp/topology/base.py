@@ -2,23 +2,30 @@
 
 A topology is defined by its mixing matrices W(t), t = 0 .. period-1
 (``X+ = W(t) X``, row i = receiver i, W[i, j] = the weight i gives to j's
-value). A subclass only says how to build W(t) (most say which edges exist
+value). The one adjacency convention of the package: an edge u -> v means
+u sends to v, so it is the entry W[v, u]. A subclass only says how to build W(t) (most say which edges exist
 and let a weight scheme weigh them, see GraphTopology); one rank's neighbor
 weights, stochasticity, connectivity and the spectral gap are derived here.
 
 Workers call ``weights(rank, t)`` every step, so W(t) is built once per
 ``t mod period``, kept sparse, and each rank's answer is cached.
+
+A topology that cannot run (a rank count the graph cannot take, a
+disconnected draw, weights the graph cannot have) raises TopologyError in
+the one-line ``key=value; allowed: ...`` form when it is constructed, so a
+bad graph never reaches a worker; any other exception is a bug.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from bfexp.topology.mixing import WEIGHT_SCHEMES, SparseMixing, weigh
+from bfexp.errors import TopologyError
+from bfexp.topology.mixing import WEIGHT_SCHEMES, NotUndirected, SparseMixing, WeightScheme, weigh
 
 
 @dataclass(frozen=True)
@@ -36,8 +43,9 @@ class RankWeights:
 
 
 def check_ranks(size: int) -> None:
+    """Raise TopologyError unless ``size`` is a rank count (an integer >= 1)."""
     if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"ranks={size}; allowed: an integer >= 1")
+        raise TopologyError(f"ranks={size}; allowed: an integer >= 1")
 
 
 class Topology(abc.ABC):
@@ -47,20 +55,24 @@ class Topology(abc.ABC):
     end with ``self.validate()`` so a bad graph never reaches a worker.
     """
 
-    name: str = "abstract"
+    # The conf/topology option name (its label in summaries).
+    name: ClassVar[str] = "abstract"
     # Number of distinct W(t) in one cycle; 1 for a static graph.
     period: int = 1
     # True when the user asked for a one-way graph: it then has no undirected form.
     declared_directed: bool = False
     # Appended to the "disconnected" error: how to get a connected graph instead.
     connect_hint: str = ""
+    # The values ``weights`` may take; a user's own matrices may also be used as "given".
+    weight_choices: ClassVar[tuple[str, ...]] = WEIGHT_SCHEMES
 
-    def __init__(self, size: int, weights: str = "uniform") -> None:
+    def __init__(self, size: int, *, weights: WeightScheme = "uniform") -> None:
         check_ranks(size)
-        if weights not in WEIGHT_SCHEMES:
-            raise ValueError(f"topology.weights={weights!r}; allowed: {', '.join(WEIGHT_SCHEMES)}")
+        if weights not in self.weight_choices:
+            raise TopologyError(f"topology.weights={weights!r}; allowed: {', '.join(self.weight_choices)}")
         self.size = int(size)
-        self.weight_scheme = weights
+        # A WeightScheme, or "given" for a user's weights used as they are (custom.py).
+        self.weight_scheme: str = weights
         self._sparse_cache: dict[int, SparseMixing] = {}
         self._dense_cache: dict[int, np.ndarray] = {}
         self._rank_cache: dict[tuple[int, int], tuple[float, tuple, tuple]] = {}
@@ -144,6 +156,41 @@ class Topology(abc.ABC):
     def is_doubly_stochastic(self, tol: float = 1e-10) -> bool:
         return self.is_row_stochastic(tol) and self.is_column_stochastic(tol)
 
+    def sum_range(self, axis: str) -> tuple[float, float]:
+        """(lowest, highest) sum of W(t)'s ``rows`` or ``columns`` over one period."""
+        sums = [m.row_sums() if axis == "rows" else m.column_sums() for m in self._all()]
+        return min(float(x.min()) for x in sums), max(float(x.max()) for x in sums)
+
+    def explain(self, need: str) -> tuple[str, str]:
+        """(what W lacks, the fix) for a property an algorithm needs: row, column, doubly, symmetric.
+
+        E.g. ``("columns of W sum to 0.5..4", "topology.weights=column")``: the
+        numbers say how far off W is, the fix how to get the property.
+        """
+
+        def sums(axis: str) -> str:
+            lo, hi = self.sum_range(axis)
+            span = f"{lo:.4g}" if f"{lo:.4g}" == f"{hi:.4g}" else f"{lo:.4g}..{hi:.4g}"
+            return f"{axis} of W sum to {span}" + (f" over t = 0..{self.period - 1}" if self.is_dynamic else "")
+
+        def weigh_or_give(scheme: str, axis: str) -> str:
+            given = self.weight_scheme == "given"
+            return f"topology.weights={scheme}" + (f" (weigh its edges), or a W whose {axis} sum to 1" if given else "")
+
+        if need == "row":
+            return sums("rows"), weigh_or_give("uniform", "rows")
+        if need == "column":
+            return sums("columns"), weigh_or_give("column", "columns")
+        if need == "doubly":
+            detail = f"{sums('rows')}, {sums('columns')}"
+            if self.directed:
+                return detail, "an undirected graph with topology.weights=metropolis, or a regular one"
+            return detail, "topology.weights=metropolis"
+        if need == "symmetric":
+            detail = "W has one-way edges" if self.directed else "W is not symmetric"
+            return detail, "an undirected graph (e.g. symmetric_exp2) with topology.weights=metropolis"
+        raise ValueError(f"explain({need!r}): a bug, the properties are row, column, doubly, symmetric")
+
     def is_symmetric(self, tol: float = 1e-12) -> bool:
         return all(m.is_symmetric(tol) for m in self._all())
 
@@ -221,56 +268,33 @@ class Topology(abc.ABC):
         weight scheme promises), and the union over one period strongly connected.
         """
         for t, m in enumerate(self._all()):
+            if not (np.isfinite(m.values).all() and np.isfinite(m.diag).all()):
+                raise TopologyError(
+                    f"topology={self.label} has weights in W({t}) that are not finite; allowed: finite weights")
             if (m.values < 0).any() or (m.diag < -1e-12).any():
-                raise ValueError(f"topology={self.label} has negative weights in W({t}); allowed: nonnegative weights")
+                raise TopologyError(f"topology={self.label} has negative weights in W({t}); allowed: nonnegative weights")
         needs = {
             "uniform": ("row", self.is_row_stochastic),
             "column": ("column", self.is_column_stochastic),
             "metropolis": ("doubly", self.is_doubly_stochastic),
         }.get(self.weight_scheme)
         if needs is None and not (self.is_row_stochastic() or self.is_column_stochastic()):
-            raise ValueError(
-                f"topology={self.label} is neither row nor column stochastic; "
-                "allowed: weights whose rows or columns sum to 1"
+            rows, cols = self.sum_range("rows"), self.sum_range("columns")
+            raise TopologyError(
+                f"topology={self.label} with weights={self.weight_scheme} is neither row nor column stochastic "
+                f"(rows of W sum to {rows[0]:.4g}..{rows[1]:.4g}, columns to {cols[0]:.4g}..{cols[1]:.4g}); "
+                "allowed: a W whose rows or columns sum to 1, or topology.weights=uniform, metropolis or column "
+                "to weigh its edges"
             )
         if needs is not None and not needs[1]():
-            raise ValueError(
+            raise TopologyError(
                 f"topology={self.label} with weights={self.weight_scheme} is not {needs[0]} stochastic; "
                 "allowed: weights whose rows (uniform), columns (column) or both (metropolis) sum to 1"
             )
         if not self.is_strongly_connected():
-            raise ValueError(
+            raise TopologyError(
                 f"topology={self.label} is disconnected for ranks={self.size}; "
                 f"allowed: a graph that connects every rank{self.connect_hint}"
-            )
-
-    def require(
-        self,
-        *,
-        row_stochastic: bool = False,
-        column_stochastic: bool = False,
-        symmetric: bool = False,
-        who: str = "this algorithm",
-    ) -> None:
-        """Raise a one-line ValueError when W(t) lacks what an algorithm needs."""
-        missing = [
-            what
-            for what, need, has in (
-                ("row stochastic", row_stochastic, self.is_row_stochastic),
-                ("column stochastic", column_stochastic, self.is_column_stochastic),
-                ("symmetric", symmetric, self.is_symmetric),
-            )
-            if need and not has()
-        ]
-        if missing:
-            hint = ""
-            if symmetric or (row_stochastic and column_stochastic):
-                hint = "; try an undirected topology with topology.weights=metropolis"
-            elif column_stochastic:
-                hint = "; try topology.weights=column"
-            raise ValueError(
-                f"{who} needs W {' and '.join(missing)}; "
-                f"topology={self.label} with weights={self.weight_scheme} is not{hint}"
             )
 
     def undirected(self) -> "Topology | None":
@@ -283,8 +307,6 @@ class Topology(abc.ABC):
             return None
         if self.is_symmetric() and self.is_doubly_stochastic():
             return self
-        from bfexp.topology.custom import Undirected
-
         return Undirected(self)
 
 
@@ -299,13 +321,11 @@ class GraphTopology(Topology):
         senders, receivers = self._edges(t)
         try:
             return weigh(self.size, senders, receivers, self.weight_scheme)
-        except ValueError as exc:
-            if self.weight_scheme != "metropolis":
-                raise
-            raise ValueError(
-                f"topology.weights=metropolis needs an undirected graph; topology={self.label} is directed "
-                f"(W({t})); allowed: uniform, column, or an undirected topology such as symmetric_exp2"
-            ) from exc
+        except NotUndirected:
+            raise TopologyError(
+                f"topology.weights=metropolis; allowed: uniform or column, since topology={self.label} is "
+                f"directed (W({t})), or an undirected topology such as symmetric_exp2"
+            ) from None
 
 
 def _same_pattern(m: SparseMixing) -> bool:
@@ -332,3 +352,30 @@ def _reaches_all(size: int, senders: np.ndarray, receivers: np.ndarray) -> bool:
 def log2_ceil(n: int) -> int:
     """ceil(log2 n) for n >= 1, in exact integer arithmetic."""
     return (int(n) - 1).bit_length()
+
+
+class Undirected(GraphTopology):
+    """Another topology's edges made two-way, with Metropolis-Hastings weights at every t."""
+
+    name: ClassVar[str] = "undirected"
+
+    def __init__(self, base: Topology) -> None:
+        super().__init__(base.size, weights="metropolis")
+        self.base = base
+        self.period = base.period
+        self.validate()
+
+    @property
+    def label(self) -> str:
+        """``undirected_`` + the base's label, e.g. ``undirected_random_regular(degree=3, seed=0)``."""
+        return f"undirected_{self.base.label}"
+
+    def params(self) -> dict[str, Any]:
+        return self.base.params()
+
+    def positions(self) -> np.ndarray:
+        return self.base.positions()
+
+    def _edges(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        m = self.base.sparse_matrix(t)
+        return np.concatenate([m.senders, m.receivers]), np.concatenate([m.receivers, m.senders])

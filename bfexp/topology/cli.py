@@ -1,19 +1,30 @@
-"""`bfexp-topology <name> --ranks N [--out file.png] [--weights W] [--<param> V]`: facts and a picture.
+"""`bfexp-topology NAME --ranks N [--out file.png] [--<key> V ...]`: facts and a picture.
 
-Each topology's own parameters come from its config schema (bfexp.config),
-so the command accepts exactly what `topology.<param>=...` accepts in an
-experiment. Bad input: one line on stderr, exit code 2.
+NAME is a conf/topology option. The command reads that option's YAML from
+the packaged config (``bfexp.conf``) and builds it with ``build_topology``,
+so it shows exactly the graph a run builds; ``--<key> V`` overrides one of
+the YAML's keys, as ``topology.<key>=V`` does in an experiment, and the
+value is checked the same way (V is read as YAML: ``--path '[w0.npy, w1.npy]'``;
+a mapping merges into a mapping key, ``--graph '{seed: 4}'``, unless it names
+another ``_target_``). Your own graph:
+
+    bfexp-topology file --ranks 8 --path dc.edges --direction out --out dc.png
+    bfexp-topology generated --ranks 16 --graph '{radius: 0.5, seed: 1}' --out rgg.png
+
+Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib.resources
 import json
 import sys
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 PROG = "bfexp-topology"
+# The command's own arguments; every other one is a key of the option's YAML.
+OWN = ("name", "ranks", "out", "ranks_per_machine", "matrix", "json")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,21 +37,36 @@ def _fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _schemas() -> dict[str, type]:
-    from bfexp.config import SCHEMAS
+def option_names() -> list[str]:
+    """The packaged conf/topology options, sorted."""
+    folder = importlib.resources.files("bfexp.conf") / "topology"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
-    return SCHEMAS["topology"]
+
+def option_node(name: str) -> dict[str, Any]:
+    """The option's packaged YAML as a plain dict: ``_target_`` and its options with their defaults."""
+    from omegaconf import OmegaConf
+
+    with (importlib.resources.files("bfexp.conf") / "topology" / f"{name}.yaml").open("r") as f:
+        return OmegaConf.to_container(OmegaConf.load(f), resolve=True)  # type: ignore[return-value]
 
 
-def _parser() -> argparse.ArgumentParser:
-    """Every topology's parameters as options; ``main`` rejects those the chosen one lacks."""
-    from bfexp.config import ALLOWED
+def _value(text: str) -> Any:
+    """A flag's value read as a YAML scalar (3 -> int, true -> bool), as an override would be."""
+    import yaml
 
-    schemas = _schemas()
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _parser(options: dict[str, dict[str, Any]]) -> argparse.ArgumentParser:
+    """Every option's keys as flags; ``main`` rejects those the chosen option lacks."""
     p = _Parser(
         prog=PROG,
         description="Print a topology's properties and optionally draw it.",
-        epilog=f"topologies: {', '.join(schemas)}",
+        epilog=f"topologies: {', '.join(options)}",
     )
     p.add_argument("name", help="topology (a conf/topology option)")
     p.add_argument("--ranks", type=int, required=True, help="number of ranks")
@@ -50,45 +76,54 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--matrix", action="store_true", help="also print W(t) for every t in a period")
     p.add_argument("--json", action="store_true", help="print the properties as one JSON object")
-    seen: dict[str, list[str]] = {}
-    defaults: dict[str, object] = {}
-    for option, schema in schemas.items():
-        for f in dataclasses.fields(schema):
-            if f.name != "name":
-                seen.setdefault(f.name, []).append(option)
-                defaults.setdefault(f.name, f.default)
-    for key, options in seen.items():
+    used_by: dict[str, list[str]] = {}
+    flags: dict[str, bool] = {}  # key -> whether it is a switch (a boolean default)
+    for option, node in options.items():
+        for key, default in node.items():
+            if key != "_target_":
+                used_by.setdefault(key, []).append(option)
+                flags[key] = flags.get(key, False) or isinstance(default, bool)
+    for key, names in used_by.items():
         flag = "--" + key.replace("_", "-")
-        used_by = "all" if len(options) == len(schemas) else ", ".join(options)
-        if isinstance(defaults[key], bool):
-            p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f"({used_by})")
+        where = f"({'all' if len(names) == len(options) else ', '.join(names)})"
+        if flags[key]:
+            p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=where)
         else:
-            p.add_argument(flag, dest=key, type=type(defaults[key]), default=argparse.SUPPRESS,
-                           choices=ALLOWED.get(f"topology.{key}"), help=f"({used_by})")
+            p.add_argument(flag, dest=key, type=_value, default=argparse.SUPPRESS, help=where)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    schemas = _schemas()
-    args = _parser().parse_args(argv)
-    if args.name not in schemas:
-        _fail(f"topology={args.name!r}; allowed: {', '.join(schemas)}")
-    fields = {f.name: f.default for f in dataclasses.fields(schemas[args.name]) if f.name != "name"}
-    for key in vars(args):
-        if key not in fields and key not in ("name", "ranks", "out", "ranks_per_machine", "matrix", "json"):
-            allowed = ", ".join("--" + k.replace("_", "-") for k in fields)
+    options = {name: option_node(name) for name in option_names()}
+    args = _parser(options).parse_args(argv)
+    if args.name not in options:
+        _fail(f"topology={args.name!r}; allowed: {', '.join(options)}")
+    node = options[args.name]
+    keys = [k for k in node if k != "_target_"]
+    for key, value in vars(args).items():
+        if key in OWN:
+            continue
+        if key not in keys:
+            allowed = ", ".join("--" + k.replace("_", "-") for k in keys) or "none"
             _fail(f"topology={args.name} has no parameter --{key.replace('_', '-')}; allowed: {allowed}")
-    params = {key: getattr(args, key, default) for key, default in fields.items()}
+        old = node.get(key)
+        if isinstance(old, dict) and isinstance(value, dict) and value.get("_target_") in (None, old.get("_target_")):
+            value = {**old, **value}  # --graph '{seed: 4}': another argument, the same function
+        node[key] = value
+    unset = [k for k in keys if node[k] == "???"]  # a YAML's mandatory value (Hydra's ???)
+    if unset:
+        _fail(f"topology={args.name} needs --{unset[0].replace('_', '-')}; allowed: e.g. "
+              f"{PROG} {args.name} --ranks {args.ranks} --{unset[0].replace('_', '-')} VALUE")
 
     import numpy as np
 
+    from bfexp.errors import ConfigError
     from bfexp.topology import build_topology
 
     try:
-        topo = build_topology({"name": args.name, **params}, args.ranks, args.ranks_per_machine)
-    except ValueError as exc:
+        topo = build_topology(node, args.ranks, args.ranks_per_machine)
+    except ConfigError as exc:
         _fail(str(exc))
     facts = topo.describe()
     if args.json:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bfexp.topology.base import Topology
+if TYPE_CHECKING:  # base.Topology.draw imports this module: no import back at run time
+    from bfexp.topology.base import Topology
 
 # More panels than this would be unreadable; the rest of a long period is left out (and said so).
 MAX_PANELS = 36
 
 
-def draw(topology: Topology, path: str | Path, *, max_panels: int = MAX_PANELS) -> Path:
+def draw(topology: "Topology", path: str | Path, *, max_panels: int = MAX_PANELS) -> Path:
     """Draw W(t) for t in one period into an image file (format from the suffix, e.g. .png)."""
     import networkx as nx
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -3,16 +3,22 @@
 One peer per iteration costs one message per step instead of log(n), and a
 well-chosen schedule still mixes fast: for one-peer exp2 over n = 2^k ranks
 the product of k consecutive W(t) is exactly 11^T / n.
+
+Each class is a conf/topology option (keyword parameters after ``size`` are
+its schema); inner_outer_exp2 also takes ``ranks_per_machine`` from the run
+(how ranks sit on machines), never from its YAML.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from bfexp.errors import TopologyError
 from bfexp.topology.base import GraphTopology, log2_ceil
+from bfexp.topology.mixing import WeightScheme
 
 Edges = tuple[np.ndarray, np.ndarray]
 
@@ -20,10 +26,10 @@ Edges = tuple[np.ndarray, np.ndarray]
 class OnePeerExp2(GraphTopology):
     """At iteration t rank i sends to i + 2^(t mod ceil(log2 n)) and hears from i - 2^(...)."""
 
-    name = "one_peer_exp2"
+    name: ClassVar[str] = "one_peer_exp2"
 
-    def __init__(self, size: int, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, weights: WeightScheme = "uniform") -> None:
+        super().__init__(size, weights=weights)
         self.period = max(1, log2_ceil(size))
         self.validate()
 
@@ -35,10 +41,10 @@ class OnePeerExp2(GraphTopology):
 class OnePeerRing(GraphTopology):
     """At even t rank i sends to i + 1, at odd t to i - 1: a ring, one message per step."""
 
-    name = "one_peer_ring"
+    name: ClassVar[str] = "one_peer_ring"
 
-    def __init__(self, size: int, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, weights: WeightScheme = "uniform") -> None:
+        super().__init__(size, weights=weights)
         self.period = 2 if size > 2 else 1
         self.validate()
 
@@ -58,25 +64,25 @@ class InnerOuterExp2(GraphTopology):
     the slow network each step.
     """
 
-    name = "inner_outer_exp2"
+    name: ClassVar[str] = "inner_outer_exp2"
 
-    def __init__(self, size: int, ranks_per_machine: int = 0, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, ranks_per_machine: int = 0, weights: WeightScheme = "uniform") -> None:
+        """``ranks_per_machine``: the run's layout (engine.ranks_per_machine); 0 = all ranks on one machine."""
+        super().__init__(size, weights=weights)
         local = size if ranks_per_machine == 0 else ranks_per_machine
         if ranks_per_machine < 0 or size % local:
-            raise ValueError(
-                f"engine.ranks_per_machine={ranks_per_machine} does not divide ranks={size}; "
-                "allowed: a divisor of ranks"
+            raise TopologyError(
+                f"engine.ranks_per_machine={ranks_per_machine}; allowed: 0 or a divisor of ranks={size}"
             )
         if size // local < 2:
-            raise ValueError(
-                f"topology=inner_outer_exp2 needs at least 2 machines; got ranks={size} with "
-                f"engine.ranks_per_machine={ranks_per_machine}; allowed: ranks_per_machine a divisor of ranks below it"
+            raise TopologyError(
+                f"engine.ranks_per_machine={ranks_per_machine} puts ranks={size} on 1 machine; allowed: a divisor "
+                "of ranks below it, since topology=inner_outer_exp2 needs at least 2 machines"
             )
         if local == 2:
-            raise ValueError(
-                "topology=inner_outer_exp2 needs engine.ranks_per_machine of 1 or >= 3 (with 2 the "
-                "ranks of a machine never meet); got 2"
+            raise TopologyError(
+                "engine.ranks_per_machine=2; allowed: 1 or >= 3 for topology=inner_outer_exp2 "
+                "(with 2 the ranks of a machine never meet)"
             )
         self.local_size, self.machines = local, size // local
         self.outer_steps = log2_ceil(self.machines)

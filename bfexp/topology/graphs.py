@@ -1,12 +1,18 @@
-"""Static graphs: the edges each one has (sender -> receiver), the same at every t."""
+"""Static graphs: the edges each one has (sender -> receiver), the same at every t.
+
+Each class is a conf/topology option: its keyword parameters (after the
+run-time ``size``) are the option's schema, and its ``name`` the option name.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from bfexp.errors import TopologyError
 from bfexp.topology.base import GraphTopology, Topology
+from bfexp.topology.mixing import WeightScheme
 
 Edges = tuple[np.ndarray, np.ndarray]
 
@@ -18,10 +24,10 @@ def _both_ways(senders: np.ndarray, receivers: np.ndarray) -> Edges:
 class Ring(GraphTopology):
     """Each rank hears its two ring neighbors; directed: only rank i-1 (a one-way ring)."""
 
-    name = "ring"
+    name: ClassVar[str] = "ring"
 
-    def __init__(self, size: int, directed: bool = False, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, directed: bool = False, weights: WeightScheme = "uniform") -> None:
+        super().__init__(size, weights=weights)
         self.declared_directed = bool(directed)
         self.validate()
 
@@ -37,12 +43,12 @@ class Ring(GraphTopology):
 class Exp2(GraphTopology):
     """Rank i sends to i + base^k (mod n) for every base^k < n: about log(n) out-neighbors, directed."""
 
-    name = "exp2"
+    name: ClassVar[str] = "exp2"
 
-    def __init__(self, size: int, base: int = 2, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, base: int = 2, weights: WeightScheme = "uniform") -> None:
+        super().__init__(size, weights=weights)
         if isinstance(base, bool) or int(base) != base or base < 2:
-            raise ValueError(f"topology.base={base}; allowed: an integer >= 2")
+            raise TopologyError(f"topology.base={base}; allowed: an integer >= 2")
         self.base = int(base)
         self.validate()
 
@@ -58,13 +64,13 @@ class Exp2(GraphTopology):
         return np.repeat(i, d.size), (i[:, None] + d[None, :]).ravel() % self.size
 
     def undirected(self) -> Topology | None:
-        return SymmetricExp2(self.size, self.base, weights="metropolis")
+        return SymmetricExp2(self.size, base=self.base, weights="metropolis")
 
 
 class SymmetricExp2(Exp2):
     """Exp2 with every edge two-way: neighbors at i +- base^k, undirected."""
 
-    name = "symmetric_exp2"
+    name: ClassVar[str] = "symmetric_exp2"
 
     def _edges(self, t: int) -> Edges:
         return _both_ways(*super()._edges(t))
@@ -93,15 +99,17 @@ def closest_factors(size: int) -> tuple[int, int]:
 class Mesh(GraphTopology):
     """2-D mesh on a rows x cols layout (rank = row * cols + col); torus wraps around, grid does not."""
 
-    name = "mesh"
+    name: ClassVar[str] = "mesh"
 
-    def __init__(self, size: int, torus: bool = True, rows: int = 0, weights: str = "metropolis") -> None:
-        super().__init__(size, weights)
+    def __init__(
+        self, size: int, *, torus: bool = True, rows: int = 0, weights: WeightScheme = "metropolis"
+    ) -> None:
+        super().__init__(size, weights=weights)
         if rows == 0:
             rows = closest_factors(size)[0]
         if isinstance(rows, bool) or int(rows) != rows or rows < 1 or size % rows:
-            raise ValueError(
-                f"topology.rows={rows} does not divide ranks={size}; allowed: 0 (closest factors) or a divisor of ranks"
+            raise TopologyError(
+                f"topology.rows={rows}; allowed: 0 (closest factors) or a divisor of ranks={size}"
             )
         self.torus = bool(torus)
         self.rows, self.cols = int(rows), size // int(rows)
@@ -130,12 +138,12 @@ class Mesh(GraphTopology):
 class Star(GraphTopology):
     """Every rank talks only to the center rank, both ways."""
 
-    name = "star"
+    name: ClassVar[str] = "star"
 
-    def __init__(self, size: int, center: int = 0, weights: str = "metropolis") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, center: int = 0, weights: WeightScheme = "metropolis") -> None:
+        super().__init__(size, weights=weights)
         if isinstance(center, bool) or int(center) != center or not 0 <= center < size:
-            raise ValueError(f"topology.center={center}; allowed: a rank in 0..{size - 1}")
+            raise TopologyError(f"topology.center={center}; allowed: a rank in 0..{size - 1}")
         self.center = int(center)
         self.validate()
 
@@ -157,10 +165,10 @@ class Star(GraphTopology):
 class FullyConnected(GraphTopology):
     """Every rank talks to every other: W = 11^T / n with uniform weights."""
 
-    name = "fully_connected"
+    name: ClassVar[str] = "fully_connected"
 
-    def __init__(self, size: int, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, weights: WeightScheme = "uniform") -> None:
+        super().__init__(size, weights=weights)
         self.validate()
 
     def _edges(self, t: int) -> Edges:
@@ -171,12 +179,12 @@ class FullyConnected(GraphTopology):
 class Hypercube(GraphTopology):
     """Ranks are log2(n)-bit words; neighbors differ in one bit. Needs a power-of-2 rank count."""
 
-    name = "hypercube"
+    name: ClassVar[str] = "hypercube"
 
-    def __init__(self, size: int, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, weights: WeightScheme = "uniform") -> None:
+        super().__init__(size, weights=weights)
         if size & (size - 1):
-            raise ValueError(f"topology=hypercube needs a power-of-2 rank count; got ranks={size}")
+            raise TopologyError(f"ranks={size}; allowed: a power of 2 for topology=hypercube")
         self.validate()
 
     def _edges(self, t: int) -> Edges:
@@ -191,15 +199,14 @@ class RandomRegular(GraphTopology):
     Every rank draws the same graph from the seed, so no rank has to send it.
     """
 
-    name = "random_regular"
+    name: ClassVar[str] = "random_regular"
     connect_hint = " (try another seed or degree >= 3)"
 
-    def __init__(self, size: int, degree: int = 3, seed: int = 0, weights: str = "uniform") -> None:
-        super().__init__(size, weights)
+    def __init__(self, size: int, *, degree: int = 3, seed: int = 0, weights: WeightScheme = "uniform") -> None:
+        super().__init__(size, weights=weights)
         if isinstance(degree, bool) or int(degree) != degree or not 0 <= degree < size or (size * degree) % 2:
-            raise ValueError(
-                f"topology=random_regular needs 0 <= degree < ranks and degree * ranks even; "
-                f"got degree={degree}, ranks={size}"
+            raise TopologyError(
+                f"topology.degree={degree}; allowed: 0 <= degree < ranks with degree * ranks even (ranks={size})"
             )
         self.degree, self.seed = int(degree), int(seed)
         import networkx as nx  # lazy: only this graph needs it

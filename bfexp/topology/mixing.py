@@ -18,10 +18,13 @@ Weight schemes (``topology.weights``):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
-WEIGHT_SCHEMES = ("uniform", "metropolis", "column")
+# The values of ``topology.weights``; the Literal is the schema, the tuple its members.
+WeightScheme = Literal["uniform", "metropolis", "column"]
+WEIGHT_SCHEMES: tuple[str, ...] = get_args(WeightScheme)
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,10 @@ class SparseMixing:
         return w
 
 
+class NotUndirected(ValueError):
+    """Metropolis-Hastings weights asked for on a graph with a one-way edge."""
+
+
 def unique_edges(size: int, senders: np.ndarray, receivers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Edges sender -> receiver without self loops or repeats (a graph may list an edge twice)."""
     s = np.asarray(senders, dtype=np.int64).ravel() % size
@@ -130,7 +137,9 @@ def is_undirected(size: int, senders: np.ndarray, receivers: np.ndarray) -> bool
 def weigh(size: int, senders: np.ndarray, receivers: np.ndarray, scheme: str) -> SparseMixing:
     """W for the graph with edges senders[e] -> receivers[e] under a weight scheme.
 
-    Raises ValueError for an unknown scheme, or ``metropolis`` on a directed graph.
+    Raises NotUndirected for ``metropolis`` on a directed graph (the caller
+    names the topology in the user's error) and ValueError for an unknown
+    scheme (a bug: constructors check the scheme first).
     """
     senders, receivers = unique_edges(size, senders, receivers)
     in_deg = np.bincount(receivers, minlength=size).astype(np.float64)
@@ -143,9 +152,9 @@ def weigh(size: int, senders: np.ndarray, receivers: np.ndarray, scheme: str) ->
         diag = 1.0 / (out_deg + 1.0)
     elif scheme == "metropolis":
         if not is_undirected(size, senders, receivers):
-            raise ValueError("metropolis weights need an undirected graph")
+            raise NotUndirected("metropolis weights need an undirected graph")
         values = 1.0 / (1.0 + np.maximum(in_deg[receivers], in_deg[senders]))
         diag = 1.0 - np.bincount(receivers, values, minlength=size)
     else:
-        raise ValueError(f"topology.weights={scheme!r}; allowed: {', '.join(WEIGHT_SCHEMES)}")
+        raise ValueError(f"unknown weight scheme {scheme!r}; constructors accept only {WEIGHT_SCHEMES}")
     return SparseMixing.from_entries(size, diag, receivers, senders, values)

@@ -7,7 +7,8 @@ case's forward/backward, then every case's step. Their exchanges therefore
 overlap one another, so one spawn of ranks runs them all in little time.
 
 The model splits x into two parameters and bucket_mb is tiny, so the
-overlapped cases really send two buckets per exchange.
+overlapped cases really send two buckets per exchange. Each algorithm is
+built from its conf/algorithm YAML, as the worker builds it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bfexp.algorithms import build_algorithm
 from bfexp.comm.mpi import MPIEngine
-from bfexp.topology import build_topology
-from tests.algorithms import lsq
+from tests.algorithms import configs, lsq
 
 TINY_BUCKET_MB = 1e-9  # one parameter per bucket
 
@@ -37,15 +36,6 @@ class LeastSquares(nn.Module):
     def forward(self) -> torch.Tensor:
         r = self.A @ torch.cat([self.head, self.tail]) - self.b
         return 0.5 * (r @ r)
-
-
-def topology(spec: dict, size: int):
-    if spec["name"] == "adjacency":
-        from bfexp.topology import AdjacencyTopology
-        import numpy as np
-
-        return AdjacencyTopology(np.array(spec["adjacency"]), weights=spec.get("weights", "uniform"))
-    return build_topology(spec, size)
 
 
 def local_optimizer(case: dict, params):
@@ -74,9 +64,10 @@ def run(cases: list[dict], emit) -> None:
         p = lsq.problem(case.get("seed", 0), engine.size, zero=case.get("zero", False))
         x0 = p.x0[0] if case.get("same_start") else p.x0[rank]
         model = LeastSquares(p.A[rank], p.b[rank], x0)
-        topo = topology(case["topology"], engine.size) if case.get("topology") else None
-        options = {"name": case["algorithm"], "bucket_mb": TINY_BUCKET_MB, **case.get("options", {})}
-        opt = build_algorithm(options, local_optimizer(case, model.parameters()), engine, topo, model=model)
+        topo = configs.topology(case["topology"], engine.size) if case.get("topology") else None
+        options = {"bucket_mb": TINY_BUCKET_MB, **case.get("options", {})}
+        opt = configs.build(case["algorithm"], local_optimizer(case, model.parameters()), engine, topo, model=model,
+                            **options)
         runs.append({"case": case, "model": model, "opt": opt, "trace": [state(case, opt)]})
     steps = max(c["iterations"] for c in cases)
     for k in range(steps):

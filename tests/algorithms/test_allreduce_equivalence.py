@@ -11,22 +11,22 @@ from bfexp.models import build_model
 from tests.mpi_helpers import run_ranks
 
 STEPS, BATCH, LR, SEED = 15, 8, 0.3, 7
-MODEL = dict(name="mlp", hidden=[16], activation="tanh")
+MODEL = dict(_target_="bfexp.models.MLP", hidden=[16], activation="tanh")
 
 RANK_CODE = f"""
 import torch, torch.nn.functional as F
 from omegaconf import OmegaConf
-from bfexp.algorithms import build_algorithm
+from bfexp.algorithms import DDP, Allreduce
 from bfexp.comm.mpi import MPIEngine
 from bfexp.models import build_model
 e = MPIEngine()
 r = e.rank
 out = {{}}
-for name in ("allreduce", "ddp"):
-    model = build_model(OmegaConf.create({MODEL!r}), 5, 3, seed={SEED}, dtype=torch.float64)
+for cls in (Allreduce, DDP):
+    name = cls.name
+    model = build_model(OmegaConf.create({MODEL!r}), (5,), 3, seed={SEED}, dtype=torch.float64)
     # bucket_mb tiny: several buckets, each started from backward hooks
-    opt = build_algorithm(OmegaConf.create(dict(name=name, bucket_mb=1e-4)),
-                          torch.optim.SGD(model.parameters(), lr={LR}), e, None, model=model)
+    opt = cls(torch.optim.SGD(model.parameters(), lr={LR}), e, None, model=model, bucket_mb=1e-4)
     g = torch.Generator().manual_seed(100 + r)
     for _ in range({STEPS}):
         x = torch.randn({BATCH}, 5, generator=g, dtype=torch.float64)
@@ -44,7 +44,7 @@ emit(out)
 def test_allreduce_sgd_equals_centralized_sgd(n, tmp_path):
     out = run_ranks(n, RANK_CODE, tmp_path)
     # The reference: one process, the union of every rank's batch each step.
-    model = build_model(OmegaConf.create(MODEL), 5, 3, seed=SEED, dtype=torch.float64)
+    model = build_model(OmegaConf.create(MODEL), (5,), 3, seed=SEED, dtype=torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     gens = [torch.Generator().manual_seed(100 + r) for r in range(n)]
     for _ in range(STEPS):

@@ -23,8 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bfexp.topology import AdjacencyTopology, build_topology
-from tests.algorithms import lsq
+from tests.algorithms import configs, lsq
 from tests.conftest import REPO
 from tests.mpi_helpers import run_ranks
 
@@ -46,11 +45,12 @@ def directed_adjacency() -> list[list[int]]:
     return a.tolist()
 
 
-RING = {"name": "ring"}
-SEXP2 = {"name": "symmetric_exp2"}
-DIRECTED = {"name": "adjacency", "adjacency": directed_adjacency(), "weights": "column"}
-ONE_PEER = {"name": "one_peer_exp2"}
-ONE_PEER_PUSH = {"name": "one_peer_exp2", "weights": "column"}
+RING = {"_target_": "bfexp.topology.Ring"}
+SEXP2 = {"_target_": "bfexp.topology.SymmetricExp2"}
+DIRECTED = {"_target_": "bfexp.topology.AdjacencyTopology", "adjacency": directed_adjacency(), "direction": "in",
+            "weights": "column"}
+ONE_PEER = {"_target_": "bfexp.topology.OnePeerExp2"}
+ONE_PEER_PUSH = {"_target_": "bfexp.topology.OnePeerExp2", "weights": "column"}
 
 
 def case(key, algorithm, topology, *, lr=LR, iterations=SHORT, keep=FIRST, ref=None, **extra) -> dict:
@@ -134,9 +134,7 @@ CASES = {c["key"]: c for c in build_cases()}
 
 
 def topology_of(spec: dict):
-    if spec["name"] == "adjacency":
-        return AdjacencyTopology(np.array(spec["adjacency"]), weights=spec["weights"])
-    return build_topology(spec, N)
+    return configs.topology(spec, N)
 
 
 @pytest.fixture(scope="module")

@@ -1,28 +1,41 @@
-"""Which topologies and engines each algorithm accepts, substitutes or refuses (no ranks needed),
-and the same through the real CLI: a note for a substitution, one line and exit 2 for a refusal."""
+"""Which topologies, engines and options each algorithm accepts, substitutes or refuses (no ranks
+needed), and the same through the real CLI: a note for a substitution, one line and exit 2 for a refusal."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
 import pytest
 
-from bfexp.algorithms import ALGORITHMS, TopologyMismatch, resolve_topology
+import bfexp.algorithms
+from bfexp.algorithms import DDP, DSGD, Allreduce, DecentralizedOptimizer, TopologyMismatch
 from bfexp.cli import group_options
-from bfexp.topology import AdjacencyTopology, build_topology
+from bfexp.errors import ConfigError
+from bfexp.topology import AdjacencyTopology, Exp2, Mesh, OnePeerExp2, Ring, Star, SymmetricExp2
+from tests.algorithms.configs import algorithm_class, node
 
 
-def resolve(algorithm: str, topology: dict, ranks: int = 8):
-    return resolve_topology({"name": algorithm}, build_topology(topology, ranks))
+def resolve_topology(algorithm: str, topology):
+    """What the configured algorithm runs on (the class its conf/algorithm YAML names decides)."""
+    return algorithm_class(algorithm).resolve_topology(topology)
+
+
+def resolve(algorithm: str, topology: type, ranks: int = 8, **params):
+    return resolve_topology(algorithm, topology(ranks, **params))
 
 
 def test_every_algorithm_has_a_config_option():
-    assert set(group_options("algorithm")) == set(ALGORITHMS)
+    classes = {c for c in vars(bfexp.algorithms).values()
+               if isinstance(c, type) and issubclass(c, DecentralizedOptimizer) and c is not DecentralizedOptimizer}
+    options = group_options("algorithm")
+    assert {algorithm_class(o) for o in options} == classes
+    assert all(algorithm_class(o).name == o for o in options)
 
 
 def test_exact_diffusion_runs_exp2_on_its_undirected_form():
-    used, note = resolve("exact_diffusion", {"name": "exp2"})
+    used, note = resolve("exact_diffusion", Exp2)
     assert used.name == "symmetric_exp2" and used.weight_scheme == "metropolis"
     w = used.mixing_matrix()
     np.testing.assert_allclose(w, w.T, atol=1e-15)
@@ -31,35 +44,35 @@ def test_exact_diffusion_runs_exp2_on_its_undirected_form():
     assert "symmetric_exp2" in note and "exp2" in note
 
 
-@pytest.mark.parametrize("topology", [{"name": "ring"}, {"name": "symmetric_exp2"}, {"name": "mesh"}])
+@pytest.mark.parametrize("topology", [Ring, SymmetricExp2, Mesh])
 def test_exact_diffusion_keeps_a_symmetric_doubly_stochastic_topology(topology):
-    built = build_topology(topology, 8)
-    used, note = resolve_topology({"name": "exact_diffusion"}, built)
+    built = topology(8)
+    used, note = resolve_topology("exact_diffusion", built)
     assert used is built and note is None
 
 
 def test_exact_diffusion_gives_a_non_regular_uniform_graph_metropolis_weights():
-    used, note = resolve("exact_diffusion", {"name": "star", "weights": "uniform"})
+    used, note = resolve("exact_diffusion", Star, weights="uniform")
     assert used.is_symmetric() and used.is_doubly_stochastic() and note
 
 
 @pytest.mark.parametrize(
-    "algorithm, topology, words",
+    "algorithm, topology, params, words",
     [
-        ("exact_diffusion", {"name": "ring", "directed": True}, "declared directed"),
-        ("exact_diffusion", {"name": "one_peer_exp2"}, "static"),
-        ("gradient_tracking", {"name": "star", "weights": "uniform"}, "doubly stochastic"),
-        ("push_sum", {"name": "star", "weights": "uniform"}, "column stochastic"),
-        ("push_diging", {"name": "star", "weights": "uniform"}, "column stochastic"),
-        ("dsgd", {"name": "star", "weights": "column"}, "row stochastic"),
+        ("exact_diffusion", Ring, {"directed": True}, "declared directed"),
+        ("exact_diffusion", OnePeerExp2, {}, "static"),
+        ("gradient_tracking", Star, {"weights": "uniform"}, "doubly stochastic"),
+        ("push_sum", Star, {"weights": "uniform"}, "column stochastic"),
+        ("push_diging", Star, {"weights": "uniform"}, "column stochastic"),
+        ("dsgd", Star, {"weights": "column"}, "row stochastic"),
     ],
 )
-def test_refusals_name_the_algorithm_the_topology_and_what_is_needed(algorithm, topology, words):
+def test_refusals_name_the_algorithm_the_topology_and_what_is_needed(algorithm, topology, params, words):
     with pytest.raises(TopologyMismatch) as info:
-        resolve(algorithm, topology)
+        resolve(algorithm, topology, **params)
     message = str(info.value)
     assert "\n" not in message and f"algorithm={algorithm}" in message and words in message
-    assert topology["name"] in message and "allowed" in message
+    assert topology.name in message and "allowed" in message
 
 
 def test_push_algorithms_take_a_non_regular_directed_graph_with_column_weights():
@@ -67,22 +80,63 @@ def test_push_algorithms_take_a_non_regular_directed_graph_with_column_weights()
     for i in range(5):
         a[(i + 1) % 5, i] = 1
     a[2, 0] = 1
-    topo = AdjacencyTopology(a, weights="column")
+    topo = AdjacencyTopology(a, direction="in", weights="column")  # a[receiver, sender]
     for name in ("push_sum", "push_diging"):
-        assert resolve_topology({"name": name}, topo) == (topo, None)
+        assert resolve_topology(name, topo) == (topo, None)
     for name in ("dsgd", "gradient_tracking"):
         with pytest.raises(TopologyMismatch):
-            resolve_topology({"name": name}, topo)
+            resolve_topology(name, topo)
     # not declared directed: exact diffusion runs on the same edges made two-way
-    used, note = resolve_topology({"name": "exact_diffusion"}, topo)
+    used, note = resolve_topology("exact_diffusion", topo)
     assert used.is_symmetric() and used.is_doubly_stochastic() and not used.is_dynamic and note
 
 
 @pytest.mark.parametrize("algorithm", ["dsgd", "gradient_tracking", "push_sum", "push_diging"])
 def test_time_varying_graphs_are_accepted_where_the_theory_allows(algorithm):
     weights = "column" if algorithm.startswith("push") else "uniform"
-    used, note = resolve(algorithm, {"name": "one_peer_exp2", "weights": weights})
+    used, note = resolve(algorithm, OnePeerExp2, weights=weights)
     assert used.is_dynamic and note is None
+
+
+# ------------------------------------------------------------------ options and kinds of job, before any rank
+@pytest.mark.parametrize("option", group_options("algorithm"))
+def test_every_yaml_states_its_class_defaults_and_they_are_in_range(option):
+    cls = algorithm_class(option)
+    options = {k: v for k, v in node(option).items() if not k.startswith("_")}
+    keywords = {}  # the constructors' keyword options, base first (model is given at run time)
+    for klass in reversed(cls.__mro__):
+        if issubclass(klass, DecentralizedOptimizer) and "__init__" in vars(klass):
+            params = inspect.signature(klass.__init__).parameters.values()
+            keywords.update({p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name != "model"})
+    assert options == keywords
+    cls.check_options(**options)
+
+
+@pytest.mark.parametrize(
+    "option, options, words",
+    [
+        ("dsgd", {"communication_period": 0}, "algorithm.communication_period=0; allowed: an integer >= 1"),
+        ("push_sum", {"bucket_mb": 0}, "algorithm.bucket_mb=0; allowed: a finite number > 0"),
+        ("ddp", {"communication_period": 4}, "algorithm.communication_period=4; allowed: 1"),
+        ("dsgd", {"style": "dta"}, "algorithm.style='dta'; allowed: atc, awc, cta"),
+        ("gradient_tracking", {"form": "next"}, "algorithm.form='next'; allowed: diging, atc"),
+    ],
+)
+def test_out_of_range_options_are_refused_in_one_line(option, options, words):
+    with pytest.raises(ConfigError) as info:
+        algorithm_class(option).check_options(**options)
+    assert str(info.value).startswith(words) and "\n" not in str(info.value)
+
+
+def test_ddp_needs_a_process_per_rank_unless_no_rank_runs():
+    from bfexp.comm.threads import ThreadsEngine
+
+    assert ThreadsEngine.virtual and not ThreadsEngine.processes
+    with pytest.raises(ConfigError, match="engine=threads"):
+        DDP.check_run(ThreadsEngine, throughput_only=False, modeled=False)
+    DDP.check_run(ThreadsEngine, throughput_only=True, modeled=True)  # a modeled cluster starts no rank
+    for cls in (Allreduce, DSGD):
+        cls.check_run(ThreadsEngine, throughput_only=True, modeled=False)
 
 
 # ------------------------------------------------------------------ through the CLI

@@ -3,7 +3,9 @@
 The first tests run everywhere (they check what this machine lacks, the way
 the CLI does). The rest need CuPy, NCCL and GPUs, skip elsewhere with the
 reason, and check results against numpy references of the mixing matrix.
-The contract suite (tests/comm/engines.py) runs against nccl as well.
+The contract suite (tests/comm/engines.py) runs against nccl as well; the
+host-side parts NCCL shares with every engine (declarations, gathered
+buffers) are tested in test_declarations.py.
 """
 
 from __future__ import annotations
@@ -53,67 +55,6 @@ def test_cli_refuses_nccl_where_it_cannot_run(bfexp):
     assert lines == [f"bfexp: error: engine=nccl cannot run here: {expected}"]
     run = bfexp.cwd / "run"
     assert not (run / "logs").exists() and not (run / "metrics.jsonl").exists(), "no rank may start"
-
-
-# ------------------------------------------------------------------ host-side checks (no GPU needed)
-def test_gathered_rows_are_cut_and_concatenated_per_tensor():
-    from bfexp.comm.nccl import split_gathered
-
-    # Two sources sending two tensors shaped (rows, 2) and (rows,): 1 + 3 rows, then 2 + 1 rows (padded buffers).
-    like = [torch.empty(5, 2), torch.empty(4)]
-    rows = [torch.tensor([1.0, 2, 3, 4, 5, 0, 0]), torch.tensor([6.0, 7, 8, 9, 10, 0, 0])]
-    first, second = split_gathered(rows, [(1, 3), (2, 1)], like)
-    assert first.tolist() == [[1, 2], [6, 7], [8, 9]]
-    assert second.tolist() == [3, 4, 5, 10]
-    (scalars,) = split_gathered([torch.tensor([5.0]), torch.tensor([6.0])], [(1,), (1,)], [torch.tensor(0.0)])
-    assert scalars.tolist() == [5, 6]  # 0-d tensors gather into 1-d
-
-
-def test_gather_and_machine_declarations_name_the_problem():
-    from bfexp.comm.nccl import gather_info, gather_problems, machine_problems
-
-    infos = [gather_info([torch.zeros(r + 1, 2)]) for r in range(3)]
-    assert gather_problems(infos, [(1, 0), (2, 0)]) == []  # only dim 0 differs
-    infos[2] = gather_info([torch.zeros(1, 3)])
-    assert gather_problems(infos, [(1, 0), (2, 0)]) == [
-        "rank 2 gives 1 tensor(s) of another dtype or trailing shape than rank 0 (only the first dimension may differ)"
-    ]
-    # Two machines of two ranks; every rank of machine m receives from and sends to machine 1 - m.
-    expects = np.array([[0, 1], [0, 1], [1, 0], [1, 0]], bool)
-    sends = expects.copy()
-    infos = [(7, 1)] * 4
-    assert machine_problems(infos, expects, sends, 2) == []
-    sends[1] = [0, 0]  # rank 1 forgets to send
-    assert machine_problems(infos, expects, sends, 2) == ["rank 1 declares other machine weights than rank 0 of its machine"]
-
-
-MISMATCH = """
-from mpi4py import MPI
-from bfexp.comm.engine import pattern_problems, mismatch_error
-from bfexp.comm.nccl import declare
-comm = MPI.COMM_WORLD
-r, n = comm.Get_rank(), comm.Get_size()
-
-def check(srcs, dsts, numel):
-    infos, expects, sends = declare(comm, n, srcs, dsts, (numel, 1))
-    problems = pattern_problems("neighbor_allreduce", sends, expects, [i[0] for i in infos], [i[1] for i in infos])
-    return str(mismatch_error("neighbor_allreduce", problems)) if problems else None
-
-ring = ([(r - 1) % n], [(r + 1) % n])
-out = {"ok": check(*ring, 4)}
-out["pattern"] = check(ring[0], [] if r == 1 else ring[1], 4)  # rank 2 still expects from rank 1
-out["size"] = check(*ring, 5 if r == 1 else 4)
-emit(out)
-"""
-
-
-def test_mismatched_declarations_give_every_rank_the_same_error(tmp_path):
-    out = run_ranks(3, MISMATCH, tmp_path)
-    prefix = "neighbor_allreduce: send/receive declarations do not match: "
-    for o in out:
-        assert o["ok"] is None
-        assert o["pattern"] == prefix + "rank 2 expects to receive from rank 1, but rank 1 does not send to rank 2"
-        assert o["size"] == prefix + "rank 0 sends 4 elements to rank 1, which has 5; rank 1 sends 5 elements to rank 2, which has 4"
 
 
 # ------------------------------------------------------------------ on GPUs

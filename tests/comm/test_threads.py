@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from bfexp.comm.engine import CommError
+from bfexp.errors import CommError
 from bfexp.comm.threads import RankAborted, ThreadWorld, current_rank, routed_output, run_threads
 
 JOIN_S = 60.0  # hang protection only
@@ -58,7 +58,7 @@ def test_an_abort_from_outside_wakes_every_blocked_rank():
     world = ThreadWorld(4)
     world.start(lambda e: e.barrier() if e.rank else release.wait(JOIN_S) or e.barrier())
     deadline = time.monotonic() + JOIN_S
-    while len(world._waiting) < 3 and time.monotonic() < deadline:  # ranks 1-3 blocked, waiting for rank 0
+    while len(world.waiting()) < 3 and time.monotonic() < deadline:  # ranks 1-3 blocked, waiting for rank 0
         time.sleep(0.01)
     world.abort(RankAborted("interrupted by SIGTERM"))
     release.set()  # rank 0 comes back from its compute and meets the abort at its next engine call

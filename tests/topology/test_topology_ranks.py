@@ -4,6 +4,11 @@ Each rank mixes its own row of X with the weights ``topology.weights(rank, t)``
 gives it; the test compares the rows against numpy's W(t) @ X. Directed
 graphs are also run with column weights the push-sum way (senders scale,
 receivers add), which must give the same W(t) @ X.
+
+Your own graph runs the same way: the ``file`` option reads a folder of three
+random directed matrices, a time-varying graph that must cycle W(0), W(1),
+W(2), W(0), ... like the built-in dynamic graphs; here W(t) is the matrix
+numpy wrote, not the library's reading of it.
 """
 
 from __future__ import annotations
@@ -11,23 +16,40 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bfexp.topology import TOPOLOGIES, build_topology
+from bfexp.topology import build_topology
+from bfexp.topology.cli import option_names, option_node
 from tests.mpi_helpers import run_ranks
 
 # The iterations checked: a full period (two for short ones) and a wrap-around.
 MAX_T = 12
 
 
-def cases(n: int) -> list[dict]:
+def three_matrices(n: int, seed: int = 0) -> list[np.ndarray]:
+    """Random row-stochastic W(t), W[i, j]: i receives from j; each has the one-way ring i -> i + t + 1."""
+    rng = np.random.default_rng(seed)
+    mats = []
+    for t in range(3):
+        w = rng.random((n, n)) * (rng.random((n, n)) < 0.3) + np.eye(n) + np.roll(np.eye(n), -(t + 1), axis=1)
+        mats.append(w / w.sum(axis=1, keepdims=True))
+    return mats
+
+
+def cases(n: int, folder) -> list[dict]:
     out = []
-    for name in TOPOLOGIES:
+    for name in option_names():
         if name == "hypercube" and n & (n - 1):
             continue
-        cfg = {"name": name}
+        cfg = option_node(name)
+        if name == "file":  # a time-varying graph: a folder of three matrices
+            (folder / "seq").mkdir()
+            for t, w in enumerate(three_matrices(n)):
+                np.save(folder / "seq" / f"W{t}.npy", w)
+            cfg.update(path=str(folder / "seq"), direction="in")
         if name == "random_regular":
             cfg["degree"] = 3
         out.append({"cfg": cfg, "rpm": (4 if n >= 8 else 1) if name == "inner_outer_exp2" else 0, "push": False})
-        out.append({"cfg": {**cfg, "weights": "column"}, "rpm": out[-1]["rpm"], "push": True})
+        if "weights" in cfg:  # the same graph with column weights, sent the push-sum way
+            out.append({"cfg": {**cfg, "weights": "column"}, "rpm": out[-1]["rpm"], "push": True})
     return out
 
 
@@ -64,14 +86,17 @@ emit(results)
 def test_neighbor_allreduce_matches_mixing_matrix(n, tmp_path):
     import json
 
-    todo = cases(n)
+    todo = cases(n, tmp_path)
     out = run_ranks(n, CODE.format(cases=json.dumps(todo), max_t=MAX_T), tmp_path, timeout=300)
     x = np.stack([row(i) for i in range(n)])
+    written = three_matrices(n)
     for k, case in enumerate(todo):
         topo = build_topology(case["cfg"], n, case["rpm"])
         got_t = len(out[0][k])
         assert got_t == min(max(2 * topo.period, 2), MAX_T)
+        own = case["cfg"]["_target_"].endswith("FileTopology") and case["cfg"]["weights"] == "given"
+        assert not own or got_t == 6  # two cycles of the three matrices
         for t in range(got_t):
-            expected = np.asarray(topo.mixing_matrix(t)) @ x
+            expected = (written[t % 3] if own else np.asarray(topo.mixing_matrix(t))) @ x
             got = np.array([out[i][k][t] for i in range(n)])
             np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12, err_msg=f"{case} t={t}")

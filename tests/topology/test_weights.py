@@ -31,7 +31,7 @@ def test_metropolis_symmetric_doubly_stochastic_on_random_graphs(seed):
     if not nx.is_connected(g):  # keep it connected: add a path through all nodes
         g.add_edges_from((i, i + 1) for i in range(n - 1))
     a = nx.to_numpy_array(g, nodelist=range(n), dtype=int)
-    w = np.array(AdjacencyTopology(a, weights="metropolis").mixing_matrix())
+    w = np.array(AdjacencyTopology(a, direction="undirected", weights="metropolis").mixing_matrix())
     np.testing.assert_allclose(w, metropolis_reference(a), atol=1e-14)
     np.testing.assert_allclose(w, w.T, atol=1e-14)
     np.testing.assert_allclose(w.sum(axis=0), 1.0, atol=1e-12)

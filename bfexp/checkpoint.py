@@ -1,0 +1,288 @@
+"""Checkpoints and stop requests: every rank's state at a step boundary, written atomically, read back bit for bit.
+
+``checkpoint_every=K`` makes the ranks write a checkpoint at every K-th
+step; a stop request (the driver got SIGTERM, SIGINT or SIGUSR1: it creates
+RUN_DIR/stop) makes them write one where they stop. A run folder holds at
+most one complete checkpoint:
+
+    checkpoint/step<S>/rank<N>.pt   one file per rank (torch.save; read back with weights_only=True)
+    checkpoint/latest.json          {"step": S, "ranks": R, "folder": "step<S>", "experiment": {...}}
+
+Every rank writes its file under a temporary name and renames it; the ranks
+then agree, in one small allreduce, that every file is there, and only then
+rank 0 replaces latest.json and removes the older step folder. A crash at
+any moment leaves latest.json naming a complete checkpoint, or none.
+
+A rank file holds everything the next step depends on: the model
+(state_dict, buffers included); the algorithm's state_dict, which is the
+local optimizer's state, the iteration (also the topology's position in its
+period) and the rule's own buffers (exact diffusion's psi and last x,
+gradient tracking's tracker, push-sum's numerator and weight); the data
+sampler (its generator, epoch, order and position); torch's global
+generator (process ranks; virtual ranks share one process); and the loop's
+own sums (the logging window's loss, the last record, the time so far).
+
+Ranks agree on stopping where they already meet: the mean of the stop flag
+travels with the metrics of each logging step, and with the checkpoint's
+agreement at a checkpoint step, so stopping adds no collective to a step.
+A run resumes only the experiment its checkpoint was written for: the keys
+in EXPERIMENT must match; the rest (steps, timeouts, logging) may change.
+
+Sweeps resume by folder: ``job_folder`` (the ``bfexp_job`` resolver of
+hydra.sweep.subdir) keys a job's folder by its overrides, so a sweep run
+again into its folder finds each job's earlier attempt: a finished one is
+skipped untouched, an unfinished one reruns there, from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from bfexp import results
+from bfexp.errors import LaunchError
+
+__all__ = ["Checkpointer", "EXPERIMENT", "job_folder", "latest", "prepare", "request_stop", "stop_reason"]
+
+CHECKPOINT_DIR = "checkpoint"
+LATEST = "latest.json"
+STOP = "stop"
+FINISHED = ("completed", "diverged")  # a job with one of these statuses is done: never rerun, never touched
+SKIPPED = ".skipped"  # in a sweep folder: where a finished job's scratch folder goes (the CLI removes it)
+# What a trajectory depends on: a checkpoint resumes only a config that agrees on these.
+EXPERIMENT = ("ranks", "seed", "batch_size", "lr", "dtype", "algorithm", "topology", "model", "dataset", "optimizer",
+              "engine.ranks_per_machine")
+
+
+# ---------------------------------------------------------------- stop requests (driver -> ranks)
+
+
+def request_stop(run_dir: Path, why: str) -> None:
+    """Ask the ranks to stop at their next logging or checkpoint step and write a checkpoint there."""
+    results.write_text_atomic(Path(run_dir) / STOP, why + "\n")
+
+
+def stop_reason(run_dir: Path) -> str | None:
+    """Why the ranks were asked to stop, or None."""
+    try:
+        return (Path(run_dir) / STOP).read_text().strip() or "stop requested"
+    except FileNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------- the folder
+
+
+def experiment(cfg: Any) -> dict:
+    """The config values a checkpoint is only valid for (EXPERIMENT), as plain data."""
+    out = {}
+    for key in EXPERIMENT:
+        value = OmegaConf.select(cfg, key, default=None)
+        out[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    return out
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: value}
+
+
+def differences(saved: dict, now: dict) -> list[str]:
+    """Dotted keys whose values differ, as `key=now (checkpoint: saved)`."""
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    for key in EXPERIMENT:
+        a.update(_flat(saved.get(key), key))
+        b.update(_flat(now.get(key), key))
+    return [f"{k}={b.get(k)!r} (checkpoint: {a.get(k)!r})" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def latest(run_dir: Path) -> dict | None:
+    """The run folder's complete checkpoint (latest.json, every rank's file present), or None."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    manifest = results.read_json(root / LATEST)
+    if not manifest:
+        return None
+    folder = root / str(manifest.get("folder", ""))
+    if not all((folder / f"rank{r}.pt").is_file() for r in range(int(manifest.get("ranks", 0)))):
+        return None
+    return manifest
+
+
+def prepare(cfg: Any, run_dir: Path, total_steps: int | None = None) -> dict | None:
+    """Ready a run folder for an attempt (a first run, a rerun or a resume); returns the checkpoint it resumes.
+
+    A folder whose last attempt did not finish, with a checkpoint: refuse
+    (LaunchError, one line) a config whose EXPERIMENT differs, keep the
+    metrics up to its step. Otherwise start clean (a finished run run again
+    into its own folder starts over). Either way the last attempt's summary,
+    failures, heartbeats and stop request go.
+    """
+    run_dir = Path(run_dir)
+    last = results.read_json(run_dir / results.SUMMARY) or {}
+    if last.get("status") in FINISHED:
+        shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
+    manifest = latest(run_dir)
+    step = 0
+    if manifest is not None:
+        changed = differences(manifest.get("experiment", {}), experiment(cfg))
+        if changed:
+            raise LaunchError(f"{run_dir} has a checkpoint of another experiment: {'; '.join(changed[:3])}; "
+                              f"allowed: the same {', '.join(EXPERIMENT)} (steps, timeouts and logging may change)")
+        step = int(manifest["step"])
+        if total_steps is not None and total_steps < step:
+            raise LaunchError(f"steps={total_steps}; allowed: >= {step}, the step of the checkpoint in {run_dir}")
+    metrics = run_dir / results.METRICS
+    if metrics.exists():
+        kept = [r for r in results.read_jsonl(metrics) if int(r.get("step", 0)) <= step]
+        if kept:
+            results.write_text_atomic(metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        else:
+            metrics.unlink()
+    for name in (results.SUMMARY, STOP):
+        (run_dir / name).unlink(missing_ok=True)
+    for name in (results.ERRORS_DIR, "heartbeat"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    return manifest
+
+
+# ---------------------------------------------------------------- resumable sweeps
+
+def job_folder(sweep_dir: Any, num: Any, key: Any) -> str:
+    """A sweep job's folder (hydra.sweep.subdir), keyed by its overrides: ``<num>_<overrides>``.
+
+    A job that already has a folder in the sweep, from an earlier run of the
+    same sweep whatever its number was then, runs in that folder again: a
+    failed or interrupted one reruns (from its checkpoint, if it has one). A
+    finished one (completed or diverged) is left untouched: the job gets a
+    scratch folder under .skipped/ named after it, which the CLI removes.
+    """
+    import glob
+    import re
+
+    root, key = Path(str(sweep_dir)), str(key)
+    pattern = re.compile(r"\d+_" + re.escape(key))
+    earlier = sorted((p for p in root.glob("*_" + glob.escape(key)) if p.is_dir()
+                      and pattern.fullmatch(p.relative_to(root).as_posix())), key=lambda p: int(p.name.split("_")[0]))
+    for folder in earlier:
+        summary = results.read_json(folder / results.SUMMARY)
+        if summary and summary.get("status") in FINISHED:
+            return f"{SKIPPED}/{folder.relative_to(root).as_posix()}"
+    return earlier[0].relative_to(root).as_posix() if earlier else f"{num}_{key}"
+
+
+# ---------------------------------------------------------------- a rank's side
+
+
+class Checkpointer:
+    """One rank's checkpoints in the training loop: restore at the start, write at step boundaries.
+
+    ``boundary`` is collective whenever it writes (every rank knows when: a
+    checkpoint step, or a stop the ranks agreed on), and returns whether the
+    ranks stop here.
+    """
+
+    def __init__(self, cfg: Any, engine: Any, run_dir: Path) -> None:
+        self.engine = engine
+        self.run_dir = Path(run_dir)
+        self.every = int(cfg.get("checkpoint_every", 0) or 0)
+        self.experiment = experiment(cfg)
+        self.step = 0  # the step of the checkpoint this run resumed from (0: none)
+
+    def stop_requested(self) -> float:
+        """1.0 when the driver asked this job to stop (this rank's view; ranks agree through a mean)."""
+        return 1.0 if (self.run_dir / STOP).exists() else 0.0
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def restore(self, model: Any, optimizer: Any, sampler: Any) -> dict:
+        """Load this rank's state from the folder's checkpoint, if it has one; returns the loop's state
+        (``step`` 0 and nothing else without one)."""
+        import torch
+
+        manifest = latest(self.run_dir)
+        if manifest is None:
+            return {"step": 0}
+        path = self.run_dir / CHECKPOINT_DIR / manifest["folder"] / f"rank{self.engine.rank}.pt"
+        device = getattr(self.engine, "device", None) or "cpu"
+        state = torch.load(path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["algorithm"])
+        sampler.load_state_dict(state["sampler"])
+        if state.get("rng") is not None and self.engine.processes:
+            torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        return dict(state["loop"], step=self.step)
+
+    def boundary(self, step: int, model: Any, optimizer: Any, sampler: Any, loop: dict,
+                 stop: bool | None = None) -> bool:
+        """After ``step``: write a checkpoint if one is due or the ranks stop here; True when they stop.
+
+        ``stop`` is the ranks' agreed answer at a logging step; None between
+        logging steps, where this rank's own request is agreed on here.
+        """
+        from bfexp.metrics import gather_floats
+
+        wanted = self.stop_requested() if stop is None else float(stop)
+        if not (self.due(step) or (stop is not None and stop)):
+            return False
+        optimizer.finish()  # nothing in flight: the state is the step's end
+        problem = self._write(step, model, optimizer, sampler, loop)
+        written, stops = gather_floats(self.engine, 0.0 if problem else 1.0, wanted)
+        missing = [r for r, ok in enumerate(written) if ok != 1.0]
+        if missing:
+            raise OSError(f"checkpoint at step {step} not written on rank(s) {', '.join(map(str, missing))}"
+                          + (f": {problem}" if problem else ""))
+        if self.engine.rank == 0:
+            self._commit(step)
+        return any(s > 0 for s in stops)
+
+    def _folder(self, step: int) -> Path:
+        return self.run_dir / CHECKPOINT_DIR / f"step{step}"
+
+    def _write(self, step: int, model: Any, optimizer: Any, sampler: Any, loop: dict) -> str | None:
+        """This rank's file, atomically; returns the problem (e.g. a full disk) or None."""
+        import torch
+
+        state = {
+            "step": step,
+            "rank": self.engine.rank,
+            "model": model.state_dict(),
+            "algorithm": optimizer.state_dict(),
+            "sampler": sampler.state_dict(),
+            "rng": torch.get_rng_state() if self.engine.processes else None,
+            "loop": loop,
+        }
+        folder = self._folder(step)
+        path = folder / f"rank{self.engine.rank}.pt"
+        tmp = folder / f".rank{self.engine.rank}.pt.tmp"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _commit(self, step: int) -> None:
+        """Rank 0, once every rank's file is there: point latest.json at this step, drop the older ones."""
+        root = self.run_dir / CHECKPOINT_DIR
+        results.write_json_atomic(root / LATEST, {"step": step, "ranks": self.engine.size, "folder": f"step{step}",
+                                                  "experiment": self.experiment})
+        for old in root.glob("step*"):
+            if old.name != f"step{step}":
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,364 @@
+"""No job hangs silently: rank heartbeats, the driver's hang watchdog, stack dumps, injected faults.
+
+Every rank has a Heartbeat: the step it is at, the communication call it is
+inside (if any: the outermost frame of its thread's Python stack that lies
+in bfexp/comm/, and where that call was made from), and the engine's
+blocked-time counter, which moves whenever a call completes. Process ranks
+(mpi, nccl) write it to heartbeat/rank<N>.json from a helper thread about
+once a second, in place and at a fixed size, so a full disk does not stop
+it; that thread also ends the rank when the driver is gone. The driver
+reads virtual ranks' heartbeats directly.
+
+The driver's Watchdog declares a job hung when a rank has sat inside one
+communication call, its counter unmoved, for ``timeout_s`` seconds (a rank
+stuck in a collective, a deadlocked window, a peer that died without MPI
+noticing), or a process rank has not written its heartbeat for that long
+(frozen), or has not started within max(timeout_s, STARTUP_S). Every rank
+then dumps its Python stack into its log (process ranks: faulthandler on
+SIGUSR2; virtual ranks: the driver formats their threads' stacks), and the
+summary names the stuck ranks, the call each was in, and on virtual ranks
+whom each waited for. Computing for long is not a hang; only waiting is.
+
+Injected faults test how a job fails: ``fail_rank`` at ``fail_step`` does
+``fail_mode``: raise (an exception), kill (SIGKILL itself), freeze (SIGSTOP
+itself) or hang (sleep forever inside its next communication call).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from bfexp import results
+
+__all__ = ["Heartbeat", "Watchdog", "at_step", "current_op", "enable_stack_dumps", "read_heartbeats"]
+
+HEARTBEAT_DIR = "heartbeat"
+RECORD_BYTES = 1024  # one heartbeat, padded: rewritten in place, it never needs a new disk block
+STARTUP_S = 120.0  # the longest a rank may take to start (imports, data, model) before it counts as hung
+SILENT_S = 2.0  # a process rank beats at least every second: silent this long, it is not moving
+DUMP_SIGNAL = signal.SIGUSR2
+DRIVER_PID = "BFEXP_DRIVER_PID"
+DRIVER_HOST = "BFEXP_DRIVER_HOST"
+PROCESS_ONLY_MODES = ("kill", "freeze")  # a virtual rank is a thread: these would hit the whole driver
+
+_COMM = str(Path(__file__).resolve().parent / "comm") + os.sep
+_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+_local = threading.local()
+_live: dict[str, dict[int, "Heartbeat"]] = {}  # run dir -> virtual rank -> its heartbeat
+_live_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------- where a rank is
+
+
+def _where(frame: Any) -> str:
+    path = frame.f_code.co_filename
+    return f"{path[len(_ROOT):] if path.startswith(_ROOT) else path}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _handle_op(frame: Any) -> str | None:
+    """The op a Handle being waited on belongs to (its tracking closure holds the name)."""
+    try:
+        finish = frame.f_locals["self"]._on_finish
+        cells = dict(zip(finish.__code__.co_freevars, finish.__closure__ or ()))
+        return str(cells["op"].cell_contents)
+    except Exception:  # noqa: BLE001 - best effort: an unnamed wait is still a wait
+        return None
+
+
+def current_op(frame: Any) -> tuple[str, str] | None:
+    """(the communication call a thread is inside, where it was called from), or None when it is not in one.
+
+    The call is the outermost frame of the innermost run of frames in
+    bfexp/comm/ (what runs inside it, a lock's wait or a sleep, lies outside
+    it): the engine's public method, or ``wait(<op>)`` for a nonblocking op's
+    handle. A run ending in a private function (a rank thread's entry) is no call.
+    """
+    f = frame
+    while f is not None and not f.f_code.co_filename.startswith(_COMM):
+        f = f.f_back
+    outer = None
+    while f is not None and f.f_code.co_filename.startswith(_COMM):
+        outer, f = f, f.f_back
+    if outer is None or outer.f_code.co_name.startswith("_"):
+        return None
+    name = outer.f_code.co_name
+    if name in ("wait", "done"):
+        op = _handle_op(outer)
+        name = f"{name}({op})" if op else name
+    caller = outer.f_back
+    while caller is not None and caller.f_code.co_name == "wait":  # an algorithm's own wait(handle) wrapper
+        caller = caller.f_back
+    return name, _where(caller) if caller is not None else "?"
+
+
+# ---------------------------------------------------------------- a rank's heartbeat
+
+
+class Heartbeat:
+    """A rank's progress as the driver sees it (see the module doc). Create it in the rank's own thread."""
+
+    def __init__(self, engine: Any, run_dir: Path, period_s: float = 1.0) -> None:
+        self.engine = engine
+        self.rank = int(engine.rank)
+        self.run_dir = Path(run_dir)
+        self.thread_id = threading.get_ident()
+        self.step = 0
+        self.period_s = period_s
+        self.host = socket.gethostname()
+        self._stop = threading.Event()
+        _local.heartbeat = self
+        if engine.virtual:
+            with _live_lock:
+                _live.setdefault(str(self.run_dir), {})[self.rank] = self
+        else:
+            threading.Thread(target=self._write_loop, name="bfexp-heartbeat", daemon=True).start()
+
+    def snapshot(self, frames: dict[int, Any] | None = None) -> dict:
+        frame = (frames if frames is not None else sys._current_frames()).get(self.thread_id)
+        op = current_op(frame) if frame is not None else None
+        return {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": self.step,
+                "comm_time_s": float(self.engine.comm_time_s), "op": op[0] if op else None,
+                "where": op[1] if op else None, "time": time.time()}
+
+    def _write_loop(self) -> None:
+        folder = self.run_dir / HEARTBEAT_DIR
+        fd = None
+        driver = int(os.environ.get(DRIVER_PID, "0") or 0)
+        local_driver = os.environ.get(DRIVER_HOST) == self.host
+        first = True
+        while first or not self._stop.wait(self.period_s):
+            first = False
+            if driver and local_driver and not _alive(driver):
+                os._exit(70)  # the driver is gone (killed): nobody will collect this job, leave no orphan
+            try:
+                if fd is None:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(folder / f"rank{self.rank}.json", os.O_RDWR | os.O_CREAT, 0o644)
+                data = json.dumps(self.snapshot()).encode()[: RECORD_BYTES - 1]
+                os.pwrite(fd, data + b" " * (RECORD_BYTES - 1 - len(data)) + b"\n", 0)
+            except OSError:
+                continue  # e.g. a full disk: the driver sees the heartbeat age and judges
+
+    def close(self) -> None:
+        self._stop.set()
+        if getattr(_local, "heartbeat", None) is self:
+            _local.heartbeat = None
+        with _live_lock:
+            _live.get(str(self.run_dir), {}).pop(self.rank, None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def beat(step: int) -> None:
+    """This thread's rank finished ``step``."""
+    hb = getattr(_local, "heartbeat", None)
+    if hb is not None:
+        hb.step = step
+
+
+def enable_stack_dumps() -> None:
+    """A process rank: Python stacks of every thread into its log (stderr) on SIGUSR2 and on a crash."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+
+
+# ---------------------------------------------------------------- the driver's side
+
+
+def read_heartbeats(run_dir: Path) -> dict[int, dict]:
+    """Process ranks' heartbeats (a record being rewritten is skipped: the next read gets it)."""
+    out = {}
+    for path in (Path(run_dir) / HEARTBEAT_DIR).glob("rank*.json"):
+        try:
+            out[int(path.stem[4:])] = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def live_heartbeats(run_dir: Path) -> dict[int, dict]:
+    """Virtual ranks' heartbeats, read from their threads now."""
+    with _live_lock:
+        beats = dict(_live.get(str(Path(run_dir)), {}))
+    frames = sys._current_frames()
+    return {r: hb.snapshot(frames) for r, hb in beats.items()}
+
+
+class Watchdog:
+    """Judges from heartbeats whether a job's ranks still make progress (see the module doc).
+
+    ``read`` returns the latest heartbeat of each rank that has one;
+    ``check()`` returns the stuck ranks' heartbeats (with ``stalled_s`` and
+    ``why``) once the job counts as hung, else None.
+    """
+
+    def __init__(self, timeout_s: float, ranks: int, read: Callable[[], dict[int, dict]],
+                 startup_s: float = STARTUP_S, processes: bool = True) -> None:
+        self.timeout_s = float(timeout_s)
+        self.ranks = ranks
+        self.read = read
+        self.startup_s = max(self.timeout_s, startup_s)
+        self.processes = processes
+        self.started = time.monotonic()
+        self.latest: dict[int, dict] = {}
+        self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (the record's time, when it changed)
+        self._waiting: dict[int, tuple[Any, float]] = {}  # rank -> ((op, counter), since when)
+        self._next = 0.0
+
+    def training_started(self) -> bool:
+        """Whether some rank has finished a training step (heartbeats read now)."""
+        self.latest.update(self.read())
+        return any(int(h.get("step", 0)) >= 1 for h in self.latest.values())
+
+    def check(self, now: float | None = None) -> list[dict] | None:
+        now = time.monotonic() if now is None else now
+        if not self.timeout_s or now < self._next:
+            return None
+        self._next = now + min(0.5, self.timeout_s / 4)
+        self.latest.update(self.read())
+        stalled = []  # every rank not moving now; the job is hung once one has not moved for timeout_s
+        for rank in range(self.ranks):
+            hb = self.latest.get(rank)
+            if hb is None:
+                if now - self.started >= self.startup_s:
+                    stalled.append({"rank": rank, "why": f"never started (no heartbeat in {self.startup_s:g} s)",
+                                    "stalled_s": now - self.started})
+                continue
+            stamp, changed = self._seen.get(rank, (None, now))
+            if hb.get("time") != stamp:
+                self._seen[rank] = (hb.get("time"), now)
+                changed = now
+            if self.processes and now - changed > SILENT_S:
+                stalled.append(dict(hb, why="no heartbeat (the process is frozen or gone)", stalled_s=now - changed))
+                continue
+            if hb.get("op") is None:
+                self._waiting.pop(rank, None)
+                continue
+            key = (hb["op"], hb.get("where"), hb.get("comm_time_s"))
+            since = self._waiting.get(rank, (None, now))
+            if since[0] != key:
+                self._waiting[rank] = (key, now)
+            elif now > since[1]:
+                stalled.append(dict(hb, why="blocked in communication", stalled_s=now - since[1]))
+        if any(s["stalled_s"] >= self.timeout_s for s in stalled):
+            return stalled
+        return None
+
+    def describe(self, stuck: list[dict], waits: dict[int, tuple[str, list[int]]] | None = None) -> str:
+        """One line: which ranks, in which call, at which step; who waits for whom (virtual ranks)."""
+        groups: dict[tuple, list[int]] = {}
+        for s in stuck:
+            key = (s["why"], s.get("op"), s.get("where"), s.get("step"))
+            groups.setdefault(key, []).append(s["rank"])
+        parts = []
+        for (why, op, where, step), ranks in sorted(groups.items(), key=lambda kv: (kv[0][3] or 0, kv[1])):
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+            text = f"{who}: {why}"
+            if op:
+                text += f" in {op} ({where})"
+            if step is not None:
+                text += f" at step {step}"
+            parts.append(text)
+        waits = waits or {}
+        waiters: dict[int, list[int]] = {}
+        for rank, (_, missing) in sorted(waits.items()):
+            for q in missing:
+                waiters.setdefault(q, []).append(rank)
+        for q, ranks in sorted(waiters.items()):
+            if q not in waits:  # the ones everybody waits for, themselves waiting for nobody
+                parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} wait for rank {q}")
+        return f"hung: no progress for timeout_s={self.timeout_s:g} s; " + "; ".join(parts) + \
+            "; Python stacks in logs/rank<N>.log"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def signal_stack_dumps(heartbeats: dict[int, dict]) -> None:
+    """Process ranks on this machine: faulthandler dumps every thread's stack into the rank's log."""
+    here = socket.gethostname()
+    for hb in heartbeats.values():
+        if hb.get("host") == here and hb.get("pid"):
+            try:
+                os.kill(int(hb["pid"]), DUMP_SIGNAL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def dump_thread_stacks(run_dir: Path, heartbeats: dict[int, dict]) -> None:
+    """Virtual ranks: each rank thread's stack into its log, and every thread of the process into logs/stacks.log."""
+    logs = Path(run_dir) / results.LOGS_DIR
+    with _live_lock:
+        beats = dict(_live.get(str(Path(run_dir)), {}))
+    frames = sys._current_frames()
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        for rank, hb in beats.items():
+            frame = frames.get(hb.thread_id)
+            if frame is not None:
+                with open(logs / f"rank{rank}.log", "a") as f:
+                    f.write(f"\nStack of rank {rank} (hang watchdog, most recent call last):\n")
+                    f.write("".join(traceback.format_stack(frame)))
+        with open(logs / "stacks.log", "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+    except OSError:
+        pass  # a full disk: the summary still names the ranks
+
+
+# ---------------------------------------------------------------- injected faults
+
+
+def at_step(cfg: Any, engine: Any, step: int) -> None:
+    """Before ``step``: record progress; run the injected fault when this rank and step are the chosen ones."""
+    beat(step - 1)
+    if cfg.get("fail_rank") == engine.rank and step == cfg.get("fail_step"):
+        inject(str(cfg.get("fail_mode", "raise")), engine, step)
+
+
+def inject(mode: str, engine: Any, step: int) -> None:
+    print(f"bfexp: injected fault fail_mode={mode} on rank {engine.rank} at step {step} "
+          f"(time {time.time():.3f})", flush=True)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "hang":
+        # Every transport hook of this rank's engine now sleeps: the next communication call never returns.
+        sleep = _sleep_forever(engine)
+        for name in dir(type(engine)):
+            if name.startswith("_post_"):
+                setattr(engine, name, sleep)
+    else:
+        raise RuntimeError(f"injected failure (fail_rank={engine.rank}, fail_step={step})")
+
+
+def _sleep_forever(engine: Any) -> Callable[..., Any]:
+    world = getattr(engine, "world", None)  # virtual ranks wake when the job is aborted
+
+    def sleep(*args: Any, **kwargs: Any) -> Any:
+        while True:
+            time.sleep(0.1)
+            if world is not None:
+                world.raise_if_failed()
+
+    return sleep

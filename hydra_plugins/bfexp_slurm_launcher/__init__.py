@@ -1,0 +1,1 @@
+"""bfexp's Hydra launcher plugin for Slurm sweeps (hydra/launcher=slurm); see bfexp/slurm.py."""

@@ -1,0 +1,27 @@
+"""bfexp's Slurm sweep launcher as a Hydra plugin (Hydra instantiates launchers from
+hydra_plugins only); the work is in bfexp/slurm.py."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hydra.core.utils import JobReturn
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+
+class SlurmSweepLauncher(SlurmLauncher):
+    """One Slurm job per sweep point, each with the resources its own ranks need."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from bfexp import slurm
+
+        return slurm.launch(self, job_overrides, initial_job_idx)
+
+    def __call__(self, config: Any, singleton_state: dict[Any, Any]) -> JobReturn:  # type: ignore[override]
+        from bfexp import slurm
+
+        return slurm.run_in_job(self, config, singleton_state)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """A preempted job is not resubmitted: its ranks would start over."""
+        return None

@@ -1,0 +1,117 @@
+"""Your own graph through the real CLI: swept from the command line, named in the report, refused
+in one line (exit 2, before any rank starts) when it cannot run, and shown by bfexp-topology.
+
+Jobs run on virtual ranks (engine=threads): the same worker, algorithm and
+topology code as MPI ranks, without a process launch per job.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bfexp.topology.cli import main as topology_tool
+
+RANKS = 6
+SMALL = ["engine=threads", f"ranks={RANKS}", "steps=4", "log_every=2", "baseline_steps=0"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def row_stochastic(n: int, seed: int = 0) -> np.ndarray:
+    """A directed W (W[i, j]: i receives from j) whose rows sum to 1 and columns do not."""
+    rng = np.random.default_rng(seed)
+    w = rng.random((n, n)) * (rng.random((n, n)) < 0.4) + np.eye(n) + np.roll(np.eye(n), -1, axis=1)
+    return w / w.sum(axis=1, keepdims=True)
+
+
+def graphs(folder: Path) -> None:
+    """a.edges: a weighted one-way ring with self weights; b.npy: a mixing matrix; rgg.yaml: a generated graph."""
+    lines = ["# direction: out"] + [f"{i} {(i + 1) % RANKS} 0.5\n{i} {i} 0.5" for i in range(RANKS)]
+    (folder / "a.edges").write_text("\n".join(lines) + "\n")
+    np.save(folder / "b.npy", row_stochastic(RANKS))
+    (folder / "rgg.yaml").write_text("_target_: bfexp.topology.GeneratedTopology\n"
+                                     "graph: {_target_: networkx.random_geometric_graph, radius: 0.6, seed: 3}\n")
+
+
+def sweep_rows(folder: Path) -> tuple[list[dict], list[dict]]:
+    (sweep,) = [p for p in (folder / "multirun").glob("*/*") if (p / "report.csv").exists()]
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    return rows, summaries
+
+
+def test_a_sweep_over_graph_files_and_a_generated_graph_names_them(bfexp):
+    graphs(bfexp.cwd)
+    proc = bfexp("-m", "topology=file", "topology.path=a.edges,b.npy,rgg.yaml", "topology.direction=in", *SMALL)
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    rows, summaries = sweep_rows(bfexp.cwd)
+    assert [r["topology.path"] for r in rows] == ["a.edges", "b.npy", "rgg.yaml"]
+    assert all(r["status"] == "completed" and r["topology"] == "file" for r in rows)
+    assert [s["topology_used"] for s in summaries] == ["file(a.edges)", "file(b.npy)", "file(rgg.yaml)"]
+
+
+def test_a_generated_graph_is_swept_by_its_parameters(bfexp):
+    proc = bfexp("-m", "topology=generated", "topology.graph.seed=3,4", *SMALL)
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    rows, summaries = sweep_rows(bfexp.cwd)
+    assert [r["topology.graph.seed"] for r in rows] == ["3", "4"]
+    assert [s["topology_used"] for s in summaries] == [
+        f"generated(random_geometric_graph, radius=0.6, seed={seed})" for seed in (3, 4)]
+    assert all(s["status"] == "completed" and s["topology_weights"] == "metropolis" for s in summaries)
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        # a mixing matrix read as an adjacency: its rows no longer sum to 1, and the message says why
+        (["topology.path=w.npy", "topology.direction=out"],
+         ["algorithm=dsgd needs a row stochastic", "rows of W sum to", "columns sum to 1",
+          "topology.direction=in reads it transposed"]),
+        # no direction on a matrix that is not symmetric
+        (["topology.path=w.npy"], ["topology.direction=null", "not symmetric", "direction=out"]),
+        # a W that mixes nothing: neither rows nor columns sum to 1
+        (["topology.path=off.npy", "topology.direction=in"],
+         ["neither row nor column stochastic", "rows of W sum to 0.97..1.2", "topology.weights=uniform"]),
+        # push-sum needs column sums 1: the fix is named
+        (["topology.path=w.npy", "topology.direction=in", "algorithm=push_sum"],
+         ["algorithm=push_sum needs a column stochastic", "columns of W sum to", "allowed: topology.weights=column"]),
+        (["topology.path=missing.edges"], ["topology.path=missing.edges does not exist"]),
+        ([], ["topology.path is not set"]),
+    ],
+)
+def test_what_cannot_run_is_refused_in_one_line_before_any_rank(bfexp, args, needles):
+    np.save(bfexp.cwd / "w.npy", row_stochastic(RANKS))
+    off = np.eye(RANKS) * 0.5 + np.roll(np.eye(RANKS), 1, axis=1) * 0.5
+    off[0, 0], off[1, 1] = 0.47, 0.7  # rows sum to 0.97 and 1.2
+    np.save(bfexp.cwd / "off.npy", off)
+    proc = bfexp("topology=file", *args, "ranks=6", "hydra.run.dir=run")
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert not (bfexp.cwd / "run" / "logs").exists(), "no rank may start"
+
+
+def test_topology_tool_prints_and_draws_a_file_and_a_generated_graph(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "seq"
+    folder.mkdir()
+    for t in range(3):
+        np.save(folder / f"W{t}.npy", row_stochastic(RANKS, seed=t))
+    topology_tool(["file", "--ranks", str(RANKS), "--path", "seq", "--direction", "in", "--json", "--out", "seq.png"])
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["params"] == {"path": "seq", "direction": "in"}
+    assert facts["period"] == 3 and facts["dynamic"] and facts["row_stochastic"] and not facts["column_stochastic"]
+    assert (tmp_path / "seq.png").read_bytes()[:8] == PNG_MAGIC
+    topology_tool(["generated", "--ranks", "12", "--graph", "{seed: 5, radius: 0.7}", "--out", "rgg.png"])
+    out = capsys.readouterr().out
+    assert "generated" in out and "radius=0.7" in out and "seed=5" in out and "spectral_gap" in out
+    assert (tmp_path / "rgg.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(SystemExit) as exc:
+        topology_tool(["file", "--ranks", "4"])
+    assert exc.value.code == 2 and "--path" in capsys.readouterr().err
