@@ -111,8 +111,23 @@ class DDP(DecentralizedOptimizer):
         self.local_step()  # DDP averaged the gradients during backward
 
     def close(self) -> None:
+        """Unwrap the model and end torch.distributed with no gloo/nccl thread left running.
+
+        The DDP wrapper's reducer holds the process group: left alive, its
+        worker threads outlive the interpreter's finalization and abort the
+        process ("terminate called without an active exception"). So every
+        rank meets, drops the wrapper, and the group is destroyed while
+        Python still runs.
+        """
         super().close()
+        import gc
+
         import torch.distributed as dist
 
+        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+            self.module = self.module.module
+        gc.collect()
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
+        gc.collect()
