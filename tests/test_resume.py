@@ -140,7 +140,11 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
-@pytest.mark.parametrize("option", threads_algorithms())
+# The compressors that draw random numbers: their generators resume where they stopped.
+RANDOM_COMPRESSORS = ["choco_sgd algorithm.compressor=random_k", "compressed_allreduce algorithm.compressor=qsgd"]
+
+
+@pytest.mark.parametrize("option", threads_algorithms() + RANDOM_COMPRESSORS)
 def test_every_algorithm_resumes_bit_for_bit(tmp_path, monkeypatch, option):
     """Momentum, a dynamic graph where the rule allows one (its position is the iteration), 4 ranks;
     a checkpoint at step 6, a rank failing at step 8, the rest from the checkpoint: the same as straight."""
@@ -149,8 +153,9 @@ def test_every_algorithm_resumes_bit_for_bit(tmp_path, monkeypatch, option):
 
     monkeypatch.setenv("BFEXP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
+    option, *options = option.split()
     static = target_of(compose([f"algorithm={option}"]).algorithm, "algorithm").requires.static
-    job = [f"algorithm={option}", "engine=threads", "ranks=4", "steps=12", "log_every=3", "checkpoint_every=6",
+    job = [f"algorithm={option}", *options, "engine=threads", "ranks=4", "steps=12", "log_every=3", "checkpoint_every=6",
            "optimizer.momentum=0.9", f"topology={'exp2' if static else 'one_peer_exp2'}", *CHEAP]
     assert launch(compose(job), tmp_path / "straight").status == "completed"
     failed = launch(compose(job + ["fail_rank=2", "fail_step=8"]), tmp_path / "resumed")

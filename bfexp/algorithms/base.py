@@ -243,7 +243,10 @@ class DecentralizedOptimizer:
         return loss
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "buffers": self.buffers()}
+        # A rule's random generators (a compressor's random_k / qsgd draws) resume where they stopped.
+        generators = {k: v.get_state() for k, v in vars(self).items() if isinstance(v, torch.Generator)}
+        return {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "buffers": self.buffers(),
+                "generators": generators}
 
     def load_state_dict(self, state: dict) -> None:
         self.finish()
@@ -251,6 +254,8 @@ class DecentralizedOptimizer:
         self.iteration = state["iteration"]
         for key, value in state.get("buffers", {}).items():
             getattr(self, key).copy_(value)
+        for key, value in state.get("generators", {}).items():
+            getattr(self, key).set_state(value)
 
     # what a rule provides ------------------------------------------------
     def begin_iteration(self) -> None:
