@@ -19,7 +19,8 @@ from typing import Any, NoReturn
 
 from bfexp import checkpoint, results
 
-GROUPS = ("algorithm", "topology", "model", "dataset", "optimizer", "engine", "scaling", "logger", "launcher")
+GROUPS = ("algorithm", "topology", "model", "dataset", "optimizer", "engine", "scaling", "logger", "launcher",
+          "heterogeneity")
 EXIT_BAD_INPUT = 2
 EXIT_JOB_FAILED = 1
 
@@ -27,6 +28,8 @@ EXIT_JOB_FAILED = 1
 _job_statuses: list[str] = []
 # The job under way (its folder, config, resume command) and whether a sweep stopped (fail_fast).
 _current: dict[str, Any] = {}
+# Where the driver's wall time went (`bfexp --verbose` prints it beside rank 0's, slowest first).
+PHASES = results.Phases("driver", results.process_started_at())
 
 
 def group_options(group: str) -> list[str]:
@@ -41,12 +44,14 @@ bfexp: declarative experiments for decentralized deep learning.
 Usage: bfexp [KEY=VALUE ...]            one run
        bfexp -m KEY=V1,V2 [...]         a sweep (Hydra multirun)
        bfexp --cfg job [KEY=VALUE ...]  print the composed config, run nothing
+       bfexp --verbose [KEY=VALUE ...]  also print where the wall time went (start-up parts)
 
 Config groups (pick one option each, e.g. topology=ring):
 {groups}
 
 Top-level keys: ranks, seed, steps, epochs, batch_size, lr, dtype, log_every,
-  timeout_s, checkpoint_every, fail_fast, throughput_only, baseline_steps, report
+  eval_every, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast,
+  throughput_only, baseline_steps, report
 Options have their own keys, e.g. algorithm.style=awc, topology.base=3,
 optimizer.momentum=0.9; `bfexp --cfg job algorithm=dsgd` shows them all.
 Your own class: model._target_=mypkg.Net (or a YAML in --config-dir).
@@ -124,7 +129,10 @@ def dry_build(cfg: Any) -> list[str]:
     from bfexp.watchdog import PROCESS_ONLY_MODES
     from bfexp.scaling import declared_speed, missing_speed_message
     from bfexp.topology import build_topology
+    from bfexp.lazy_dynamo import defer_dynamo
     from bfexp.worker import job_kind, topology_ranks_per_machine
+
+    defer_dynamo()  # torch.optim would import torch._dynamo (a second) only to mark code for a compiler
 
     def guarded(group: str, target: Any, call: Any) -> Any:
         try:
@@ -161,6 +169,8 @@ def dry_build(cfg: Any) -> list[str]:
     check_optimizer_options(optimizer_options)
     guarded("optimizer", optimizer_target,
             lambda: build(cfg.optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
+    if cfg.get("heterogeneity") is not None:  # stragglers: the constructor checks the ranges
+        build(cfg.heterogeneity, "heterogeneity")
     if modeled and not declared_speed(cfg.scaling, label(cfg.model)):
         raise ConfigError(missing_speed_message(cfg.scaling, label(cfg.model)))
     return notes
@@ -258,6 +268,7 @@ def run_job(cfg: Any) -> str:
 
     from bfexp.config import ConfigError, label, validate
 
+    PHASES.mark("start: python, Hydra, compose")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     sweep_dir = Path(str(HydraConfig.get().sweep.dir)) if HydraConfig.get().mode == RunMode.MULTIRUN else None
     _current.update(run_dir=run_dir, cfg=cfg, resume=resume_command(run_dir))
@@ -283,7 +294,9 @@ def run_job(cfg: Any) -> str:
             check_engine(cfg)  # e.g. engine=nccl without a GPU
         else:
             choice = None
+        PHASES.mark("validate, engine choice")
         notes = dry_build(cfg)
+        PHASES.mark("dry build: torch, components")
     except ConfigError as e:
         discard_unused(run_dir, sweep_dir)
         fail(str(e))
@@ -304,8 +317,10 @@ def run_job(cfg: Any) -> str:
     progress = ConsoleProgress(cfg.steps, title, enabled=cfg.logger.progress, epochs=cfg.epochs)
     with progress, open_tracker(cfg, run_dir) as tracker:
         try:
+            PHASES.mark("progress display, tracker")
             result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),
                             engine_choice=choice)
+            PHASES.mark("launch: the ranks, start to end")
         except ConfigError as e:  # e.g. a checkpoint of another experiment in the folder
             discard_unused(run_dir, sweep_dir)
             fail(str(e))
@@ -315,6 +330,8 @@ def run_job(cfg: Any) -> str:
         with contextlib.suppress(OSError):
             results.write_json_atomic(run_dir / results.SUMMARY, result.summary)
     print_summary(result.summary, str(run_dir))
+    if _current.get("verbose"):
+        print_timing(run_dir)
     _job_statuses.append(result.status)
     if result.status == "failed":  # said now, not only at the end of a sweep
         print(f"bfexp: job {run_dir.name} failed: {result.summary.get('error')}", file=sys.stderr, flush=True)
@@ -328,6 +345,20 @@ def run_job(cfg: Any) -> str:
         print(f"bfexp: {signal.Signals(signum).name}: {what}{resume}", file=sys.stderr, flush=True)
         raise Interrupted(signum)  # a sweep stops here too
     return result.status
+
+
+def print_timing(run_dir: Path) -> None:
+    """`--verbose`: where the job's wall time went, the driver's phases and rank 0's, slowest first."""
+    ranks = (results.read_json(run_dir / results.LOGS_DIR / results.TIMING) or {}).get("spans", [])
+    spans = PHASES.spans + ranks
+    if not spans:
+        return
+    origin = min(s["start"] for s in spans)
+    print("where the wall time went (--verbose), slowest first: seconds, who: phase [from .. to, s after the driver "
+          "started]")
+    for s in sorted(spans, key=lambda s: -s["seconds"]):
+        begin = s["start"] - origin
+        print(f"  {s['seconds']:6.2f}  {s['who']}: {s['phase']}  [{begin:.2f} .. {begin + s['seconds']:.2f}]")
 
 
 def interrupted_early(signum: int) -> None:
@@ -418,6 +449,9 @@ def command(args: list[str]) -> None:
     if any(a in ("-h", "--help") for a in args):
         print_help()
         return
+    if "--verbose" in args:  # bfexp's, not Hydra's: where the wall time went, after each job
+        args = [a for a in args if a != "--verbose"]
+        _current["verbose"] = True
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 

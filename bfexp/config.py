@@ -44,6 +44,7 @@ RUNTIME: dict[str, tuple[str, ...]] = {
     "topology": ("size", "ranks_per_machine"),
     "model": ("in_shape", "in_features", "classes"),
     "dataset": (),
+    "heterogeneity": (),
 }
 Dtype = Literal["float32", "float64", "float16", "bfloat16"]
 FailMode = Literal["raise", "kill", "freeze", "hang"]
@@ -344,8 +345,9 @@ class ScalingConfig:
     # reference_load_margin of now (a 1-rank job, its own reference, always measures
     # and refreshes the cache); fresh: measure it in every job.
     reference: str = "cached"
-    # Runnable processes (1-minute load average) the load may have moved since a cached reference.
-    reference_load_margin: float = 1.0
+    # Runnable processes (1-minute load average) the load may have moved since a cached reference
+    # (on a shared machine the load swings by a few all the time; re-measuring stalls every rank).
+    reference_load_margin: float = 4.0
     # torch threads of the reference; null = what a 1-rank job gets here (every core).
     reference_threads: Optional[int] = None
     # Where references are cached (one file per key: model, optimizer, wrapper, batch, dtype,
@@ -474,6 +476,8 @@ class Config:
     scaling: Any = MISSING
     logger: Any = MISSING
     launcher: Any = MISSING
+    # Stragglers (bfexp.heterogeneity): a `_target_` node, conf/heterogeneity/.
+    heterogeneity: Any = MISSING
 
     ranks: int = 4
     seed: int = 0
@@ -485,6 +489,13 @@ class Config:
     lr: float = 0.1
     dtype: str = "float32"
     log_every: int = 10
+    # Held-out evaluation (loss, accuracy) every this many steps, and at the last step;
+    # null = by budget: the first logged step, then in multiples of log_every spaced so evaluation takes
+    # about eval_budget of the training time, priced from the work (bfexp.metrics.EvalSchedule).
+    eval_every: Optional[int] = None
+    eval_budget: float = 0.1
+    # Evaluate on the first this many held-out samples (a fixed subset); null = all of them.
+    eval_subset: Optional[int] = None
     # A run is stopped as diverged when the loss is not finite or exceeds this.
     divergence_loss: float = 1e6
     # The hang watchdog: seconds a rank may wait inside one communication call (or, as a
@@ -509,6 +520,10 @@ class Config:
     baseline_steps: int = 10
     # At the end of a sweep (-m), write report.csv, report.md and plots into its folder.
     report: bool = True
+    # Time to accuracy: the report's time to reach this held-out accuracy / loss (null: the final value
+    # of the sweep's allreduce job at the same ranks and engine).
+    target_accuracy: Optional[float] = None
+    target_eval_loss: Optional[float] = None
 
 
 # The data-only groups' options (component groups have no schema here: their targets are it).
@@ -672,11 +687,20 @@ def validate(cfg: Any) -> None:
     number_in("batch_size", cfg.batch_size, low=1, integer=True)
     number_in("lr", cfg.lr, low=0, low_open=True)
     number_in("log_every", cfg.log_every, low=1, integer=True)
+    if cfg.get("eval_every") is not None:
+        number_in("eval_every", cfg.eval_every, low=1, integer=True)
+    number_in("eval_budget", cfg.get("eval_budget", 0.1), low=0, low_open=True)
+    if cfg.get("eval_subset") is not None:
+        number_in("eval_subset", cfg.eval_subset, low=1, integer=True)
     number_in("divergence_loss", cfg.divergence_loss, low=0, low_open=True)
     number_in("timeout_s", cfg.timeout_s, low=0)
     number_in("checkpoint_every", cfg.checkpoint_every, low=0, integer=True)
     number_in("baseline_steps", cfg.baseline_steps, low=0, integer=True)
     number_in("fail_step", cfg.fail_step, low=1, integer=True)
+    if cfg.get("target_accuracy") is not None:
+        number_in("target_accuracy", cfg.target_accuracy, low=0, high=1)
+    if cfg.get("target_eval_loss") is not None:
+        number_in("target_eval_loss", cfg.target_eval_loss, low=0, low_open=True)
     if cfg.fail_rank is not None:
         number_in("fail_rank", cfg.fail_rank, low=0, integer=True)  # beyond a job's ranks it never fires (sweeps)
     validate_logger(cfg.logger)

@@ -115,26 +115,28 @@ def launcher_of(cfg: Any) -> Any:
     return cfg.get("launcher") or OmegaConf.create({"name": "local"})
 
 
-def rank_command(cfg: Any, run_dir: Path) -> list[str]:
+def rank_command(cfg: Any, run_dir: Path, program: list[str] | None = None) -> list[str]:
     """The command that starts the job's ranks, per launcher (README "Running on a cluster").
 
     local: ``mpiexec --oversubscribe -n R``; mpirun: ``mpiexec -n R --host ...|--hostfile ...``
     plus the interface's settings; srun: ``srun --mpi=pmix --ntasks=R`` (Slurm's PMIx plugin
     wires up mpi4py's Open MPI; nodes and tasks per node from launcher.ranks_per_node).
+    ``program``: what each rank runs (default the worker; bfexp-run: the user's script).
     """
     launcher = launcher_of(cfg)
+    program = program or worker_command(run_dir)
     engine_args = [str(a) for a in cfg.engine.get("mpiexec_args", [])]
     extra = [str(a) for a in launcher.get("extra_args", [])]
     if launcher.name == "srun":
         return [find_srun(), "--mpi=pmix", f"--ntasks={cfg.ranks}", *srun_layout(cfg), "--kill-on-bad-exit=1",
-                *extra, *worker_command(run_dir)]
+                *extra, *program]
     if launcher.name == "mpirun":
         placement = ["--host", launcher.hosts] if launcher.hosts else ["--hostfile", str(launcher.hostfile)]
         # Fill each host's slots in order, threads free to move (horovodrun's defaults too).
         return [find_mpiexec(), "-n", str(cfg.ranks), *placement, "--map-by", "slot", "--bind-to", "none",
                 *interface_args(launcher.network_interface),
-                *engine_args, *extra, *worker_command(run_dir)]
-    return [find_mpiexec(), "--oversubscribe", "-n", str(cfg.ranks), *engine_args, *worker_command(run_dir)]
+                *engine_args, *extra, *program]
+    return [find_mpiexec(), "--oversubscribe", "-n", str(cfg.ranks), *engine_args, *program]
 
 
 def write_job_config(cfg: Any, run_dir: Path) -> None:

@@ -6,6 +6,7 @@ allreduce, so all ranks agree on it (and on when a run has diverged).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -58,6 +59,52 @@ def global_mean(engine: Engine, *values: float) -> list[float]:
     """Average of each value over ranks, in one message."""
     t = torch.tensor(values, dtype=torch.float64)
     return engine.allreduce(t, op="avg").tolist()
+
+
+class EvalSchedule:
+    """Which steps evaluate the held-out set (loss, accuracy); the last step always does.
+
+    ``every`` set: its multiples. None: by ``budget``, the share of the training time
+    evaluation may take, priced from the work (no clock, so every rank, and a resumed run,
+    evaluates at the same steps): one evaluation forwards ``samples`` held-out samples, a
+    training step forwards and backwards ``batch`` (about three forward passes' work), so an
+    evaluation costs about samples / (3 batch) steps, and evaluations are spaced by that over
+    ``budget``, rounded up to a multiple of ``log_every``. The first logged step evaluates
+    too, so a curve has its start. For a small model a step is mostly fixed costs, so the
+    estimate errs towards fewer evaluations; ``eval_every`` asks for more. ``time_s`` counts
+    this rank's seconds spent evaluating (reported apart from the training time).
+    """
+
+    def __init__(self, every: int | None, budget: float, log_every: int, samples: int, batch: int) -> None:
+        self.every, self.log_every = every, int(log_every)
+        if every:
+            self.interval = int(every)
+        else:
+            steps = samples / (3.0 * max(1, batch) * float(budget))  # training steps per evaluation
+            self.interval = self.log_every * max(1, math.ceil(steps / self.log_every - 1e-9))
+        self.time_s = 0.0
+        self.count = 0
+
+    def logs(self, step: int, last: int) -> bool:
+        """Whether ``step`` writes a record (logged steps and evaluated ones)."""
+        return step == last or step % self.log_every == 0 or step % self.interval == 0
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether ``step`` evaluates (the same answer on every rank and in a resumed run)."""
+        first = not self.every and step == self.log_every
+        return step == last or step % self.interval == 0 or first
+
+    def spent(self, seconds: float) -> None:
+        """One evaluation took ``seconds`` on this rank."""
+        self.time_s += seconds
+        self.count += 1
+
+
+def held_out(x: torch.Tensor, y: torch.Tensor, subset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out samples evaluation runs on: the first ``subset`` of them (a fixed subset), or all."""
+    if subset is None or subset >= len(y):
+        return x, y
+    return x[:subset], y[:subset]
 
 
 @dataclass

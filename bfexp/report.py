@@ -203,6 +203,7 @@ def build_table(jobs: list[Job]) -> Table:
             if isinstance(value, dict):
                 row.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, (dict, list))})
         row.update({k: swept_value(job, k) for k in swept})
+        row.update(time_to_targets(job, jobs, swept))
         rows.append(row)
 
     def present(key: str) -> bool:
@@ -381,9 +382,82 @@ def training_time_s(records: list[dict]) -> list[float | None]:
     return out
 
 
+def time_axis(records: list[dict]) -> list[float | None]:
+    """Each record's training time: the time_s the records carry (simulated clocks on virtual ranks,
+    wall seconds inside training steps on real ones), else (older runs) derived by training_time_s."""
+    if records and all(_finite(rec.get("time_s")) for rec in records):
+        return [float(rec["time_s"]) for rec in records]
+    return training_time_s(records)
+
+
+def time_axis_label(records: list[dict]) -> str:
+    """The time axis's label, saying where its seconds come from."""
+    sources = sorted({str(rec.get("time_source")) for rec in records if rec.get("time_source")})
+    if sources and all(_finite(rec.get("time_s")) for rec in records):
+        return f"training time (s, {' and '.join(sources)})"
+    return "training time (s): sum of measured step times"
+
+
+def time_to_target(records: list[dict], key: str, target: float, higher_is_better: bool) -> float | None:
+    """The training time of the first record whose ``key`` reaches ``target`` (>= for accuracy,
+    <= for a loss); None when no record does."""
+    for t, rec in zip(time_axis(records), records):
+        value = rec.get(key)
+        if _finite(t) and _finite(value) and (value >= target if higher_is_better else value <= target):
+            return t
+    return None
+
+
+# metric in metrics.jsonl, the summary's final value, the config key of its target, higher is better
+TARGETS = (("accuracy", "final_accuracy", "target_accuracy", True),
+           ("eval_loss", "final_eval_loss", "target_eval_loss", False))
+
+
+def configured_targets(job: Job) -> dict[str, float]:
+    """target_accuracy / target_eval_loss as the job's config.yaml sets them (absent: none)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((job.path / results.CONFIG).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {key: float(data[key]) for _, _, key, _ in TARGETS if _finite(data.get(key))}
+
+
+def baseline_job(job: Job, jobs: list[Job], swept: list[str]) -> Job | None:
+    """The completed allreduce job that ran like ``job`` (same ranks, engine and swept values, but
+    for the algorithm's, the topology's and a study's method choice, +experiment/...)."""
+    same = [k for k in swept if k.split(".")[0] not in SERIES_ONLY and "experiment/" not in k]
+    for other in jobs:
+        if (other.ok and other.summary.get("algorithm") == "allreduce"
+                and all(other.summary.get(k) == job.summary.get(k) for k in ("ranks", "engine"))
+                and all(swept_value(other, k) == swept_value(job, k) for k in same)):
+            return other
+    return None
+
+
+def time_to_targets(job: Job, jobs: list[Job], swept: list[str]) -> dict[str, Any]:
+    """The report's time-to-accuracy columns for one job: each target (config, else the final value of
+    its allreduce baseline job) and the training time at which the job first reached it."""
+    if not job.records:
+        return {}
+    targets = configured_targets(job)
+    base = baseline_job(job, jobs, swept)
+    out: dict[str, Any] = {}
+    for metric, final, key, higher in TARGETS:
+        target = targets.get(key)
+        if target is None and base is not None and _finite(base.summary.get(final)):
+            target = float(base.summary[final])
+        if target is None:
+            continue
+        out[key] = target
+        out[f"time_to_{key}_s"] = time_to_target(job.records, metric, target, higher)
+    return out
+
+
 def curve(records: list[dict], xkey: str, ykey: str) -> list[tuple[float, float]]:
-    """(x, y) points of one metric; xkey "training_time_s" is derived by training_time_s."""
-    xs = training_time_s(records) if xkey == "training_time_s" else [rec.get(xkey) for rec in records]
+    """(x, y) points of one metric; xkey "training_time_s" is each record's time_axis value."""
+    xs = time_axis(records) if xkey == "training_time_s" else [rec.get(xkey) for rec in records]
     return [(x, rec[ykey]) for x, rec in zip(xs, records) if _finite(x) and _finite(rec.get(ykey))]
 
 
@@ -576,16 +650,17 @@ class Plotter:
             return
         ranks = sorted({j.summary.get("ranks") for j in with_records}, key=lambda r: (r is None, r or 0))
         groups = [(r, [j for j in with_records if j.summary.get("ranks") == r]) for r in ranks] if len(ranks) > 1 else [(ranks[0], with_records)]
-        time_label = "training time (s): sum of measured step times"
         loss_label = "training loss (cross-entropy, mean over ranks)"
         acc_label = "held-out accuracy (fraction, mean over ranks)"
         panels = [
             ("step", "loss", "step", loss_label),
-            ("training_time_s", "loss", time_label, loss_label),
+            ("training_time_s", "loss", "", loss_label),
             ("step", "accuracy", "step", acc_label),
-            ("training_time_s", "accuracy", time_label, acc_label),
+            ("training_time_s", "accuracy", "", acc_label),
         ]
         for r, group in groups:
+            time_label = time_axis_label([rec for j in group for rec in j.records])
+            panels = [(x, y, time_label if x == "training_time_s" else xl, yl) for x, y, xl, yl in panels]
             fig = self.figure(11, 8)
             axes = fig.subplots(2, 2)
             for ax, (xkey, ykey, xlabel, ylabel) in zip(axes.flat, panels):

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -21,6 +22,8 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 ERRORS_DIR = "errors"
 LOGS_DIR = "logs"
+# In LOGS_DIR: where rank 0's start-up and wall time went (``Phases``; `bfexp --verbose` prints it).
+TIMING = "timing.json"
 
 # What a job is: every summary carries these, also one written for a job no rank finished.
 IDENTITY = ("algorithm", "topology", "ranks", "engine", "seed", "model", "dataset", "batch_size", "lr")
@@ -90,6 +93,16 @@ FIELDS = (
     *spread(Field("framework_overhead_fraction", "overhead", "framework overhead (1 rank)", console=False)),
     Field("reference_source", "reference", "single-rank reference", console=False),
     Field("time_source", "time", "scaling figures"),
+    # Time to accuracy: the training time the job's metrics.jsonl records carry (time_s: simulated on virtual
+    # ranks, measured on real ones), and the report's time to reach a target (config, else the allreduce job's).
+    Field("train_time_s", "train s", "training time (s)", console=False),
+    # Seconds a rank spent evaluating the held-out set (mean over ranks), apart from training time.
+    Field("eval_time_s", "eval s", "evaluation time (s)", console=False),
+    Field("target_accuracy", "target acc", "target accuracy", console=False, job_table=False),
+    Field("time_to_target_accuracy_s", "t->acc s", "time to target accuracy (s)", job_table=False),
+    Field("target_eval_loss", "target loss", "target held-out loss", console=False, job_table=False),
+    Field("time_to_target_eval_loss_s", "t->loss s", "time to target held-out loss (s)", console=False,
+          job_table=False),
     Field("wall_time_s", "wall s", "wall time (s)", console=False),
 )
 FIELD = {f.key: f for f in FIELDS}
@@ -175,6 +188,33 @@ def iter_jsonl(path: str | os.PathLike, start: int = 0) -> Iterator[dict]:
                     yield json.loads(line)
     except FileNotFoundError:
         return
+
+
+def process_started_at() -> float | None:
+    """When this process started (seconds since the epoch), from /proc; None where there is none."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Phases:
+    """Where a process's wall time went: ``mark(name)`` ends the phase that began at the previous
+    mark (the first at ``start``, e.g. the process's start). Cheap enough to run always."""
+
+    def __init__(self, who: str, start: float | None = None) -> None:
+        self.who = who
+        self.last = start if start is not None else time.time()
+        self.spans: list[dict] = []
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        self.spans.append({"who": self.who, "phase": name, "start": self.last, "seconds": now - self.last})
+        self.last = now
 
 
 class JsonlTail:

@@ -16,6 +16,7 @@ every rank's heartbeat feeds the driver's hang watchdog (bfexp.watchdog).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -30,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from bfexp import checkpoint, config, costmodel, probes, results, scaling, watchdog
+from bfexp import checkpoint, config, probes, results, scaling, watchdog
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, RankData
-from bfexp.metrics import StepTimer, consensus_distance, evaluate, gather_floats, global_mean
+from bfexp.heterogeneity import Heterogeneity, Pace
+from bfexp.lazy_dynamo import defer_dynamo
+from bfexp.metrics import EvalSchedule, StepTimer, consensus_distance, evaluate, gather_floats, global_mean, held_out
 from bfexp.models import build_model, parameter_count, sample_shape
 from bfexp.timeline import Timeline, span
 from bfexp.topology import Topology, build_topology
@@ -43,26 +46,44 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 BASELINE = "allreduce"
 # The graph of a 1-rank world (every graph is W = [1] there): the single-rank reference's topology.
 ONE_RANK = {"_target_": "bfexp.topology.FullyConnected"}
+# Where this process's wall time went, from its start (an MPI rank's: rank 0 writes logs/timing.json).
+PHASES = results.Phases("rank 0", results.process_started_at())
+
+
+def mark(engine: Engine, phase: str) -> None:
+    """End a phase of this rank's wall time (ranks that are processes; `bfexp --verbose` shows rank 0's)."""
+    if engine.processes:
+        PHASES.mark(phase)
 
 
 # ---------------------------------------------------------------- THE step
 
 
 def train_step(net: torch.nn.Module | None, optimizer: Any, x: torch.Tensor | None, y: torch.Tensor | None,
-               dtype: torch.dtype | None, timeline: Timeline | None = None) -> torch.Tensor | None:
+               dtype: torch.dtype | None, timeline: Timeline | None = None, pace: Pace | None = None
+               ) -> torch.Tensor | None:
     """One training step: zero_grad, forward (inputs cast to the model's dtype), loss, backward, step.
 
     ``x=None`` runs ``step()`` alone on the gradients already set: the
     communication probe of throughput-only jobs. Returns the loss (None then).
+    ``pace`` (bfexp.heterogeneity): a straggler's extra time, paid before the step, and
+    the rank's simulated compute time on virtual ranks.
     """
     if x is None:
         optimizer.step()
         return None
+    if pace is not None:
+        pace.before_step()
+    computing = time.perf_counter()
     optimizer.zero_grad()
     with span(timeline, "forward"):
         loss = F.cross_entropy(net(x.to(dtype)).float(), y)
     with span(timeline, "backward"):
         loss.backward()
+    if pace is not None:
+        pace.computed(time.perf_counter() - computing)
+    if isinstance(optimizer, DecentralizedOptimizer):
+        optimizer.observe_loss(loss.detach())
     with span(timeline, "step"):
         optimizer.step()
     return loss
@@ -124,6 +145,8 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
     model = make_model()
     optimizer = config.build(cfg.algorithm, "algorithm")(make_optimizer(model.parameters()), engine, topology, model=model)
     net = optimizer.module if optimizer.module is not None else model  # ddp: the DDP wrapper
+    if getattr(type(optimizer), "asynchronous", False):  # virtual ranks: window ops in simulated-clock order
+        engine.schedule()
     return Built(topology, data, model, optimizer, net, make_model, make_optimizer, in_shape, classes, dtype, device)
 
 
@@ -173,6 +196,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     rank, size = engine.rank, engine.size
     started = time.perf_counter()
     job = build(cfg, engine)
+    mark(engine, "build: topology, data, model, optimizer, algorithm")
     optimizer, data = job.optimizer, job.data
     sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
     steps = total_steps(cfg, data.global_train_size, size)
@@ -180,7 +204,8 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     # The single-rank reference: from the cache, or measured in rounds between the timed training steps.
     single = reference(cfg, engine, job, BatchSampler(data, cfg.batch_size, cfg.seed + 1, rank).next,
                        steps=steps, first=timer.warmup + 1)
-    test_x, test_y = data.test_x.to(job.device, job.dtype), data.test_y.to(job.device)
+    mark(engine, "single-rank reference: cache look-up")
+    test_x, test_y = held_out(data.test_x.to(job.device, job.dtype), data.test_y.to(job.device), cfg.get("eval_subset"))
     metrics_path = run_dir / results.METRICS
     status, error = "completed", None
     loss = None
@@ -193,10 +218,19 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     record: dict = resumed.get("record", {})
     bytes_sent = resumed.get("bytes_sent", 0)
     elapsed_before = resumed.get("elapsed_s", 0.0)
+    # Held-out evaluation: at eval_every, or as often as eval_budget of the training time allows (bfexp.metrics).
+    evals = EvalSchedule(cfg.get("eval_every"), cfg.get("eval_budget", 0.1), cfg.log_every, len(test_y), sampler.batch_size)
+    evals.time_s, last_eval = resumed.get("eval_time_s", 0.0), resumed.get("last_eval", {})
+    # Time to accuracy: this rank's training time, simulated (virtual ranks' clocks) or measured
+    # (wall seconds inside its training steps, straggler sleeps included); stragglers (bfexp.heterogeneity).
+    heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
+    pace = heterogeneity.pace(engine, int(cfg.seed), first_step=resumed["step"] + 1)
+    clock = TrainClock(engine, resumed.get("time_s", 0.0))
 
     def loop_state() -> dict:
         return {"interval_loss": interval_loss, "interval_n": interval_n, "record": record, "bytes_sent": bytes_sent,
-                "elapsed_s": elapsed_before + time.perf_counter() - started}
+                "elapsed_s": elapsed_before + time.perf_counter() - started, "time_s": clock.now_s(),
+                "eval_time_s": evals.time_s, "last_eval": last_eval}
 
     def stopped(at: int) -> str:
         return f"stopped at step {at} ({checkpoint.stop_reason(run_dir) or 'stop requested'}); checkpoint at step {at}"
@@ -208,36 +242,49 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
         x, y = x.to(job.device), y.to(job.device)
         sent_before = engine.bytes_sent
         timer.start(engine)
-        loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline)
+        clock.start()
+        loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline, pace)
+        clock.stop()
         timer.stop(engine)
         bytes_sent += engine.bytes_sent - sent_before
         interval_loss += float(loss.detach())
         interval_n += 1
         single.after_step(step)
-        if step % cfg.log_every and step != steps:
+        if not evals.logs(step, steps):
             if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state()):  # checkpoint_every
                 status, error = "interrupted", stopped(step)
                 break
             continue
         optimizer.finish()
-        eval_loss, accuracy = evaluate(job.model, test_x, test_y)
+        evaluating = evals.due(step, steps)
+        eval_started = time.perf_counter()
+        eval_loss, accuracy = evaluate(job.model, test_x, test_y) if evaluating else (math.nan, math.nan)
+        eval_s = time.perf_counter() - eval_started
         # The stop flag travels with the metrics: every rank learns of a stop request at the same step.
         train_loss, eval_loss, accuracy, step_time, mean_sent, stop = global_mean(
             engine, interval_loss / interval_n, eval_loss, accuracy, timer.take_window(), float(bytes_sent),
             checkpoints.stop_requested(),
         )
         interval_loss, interval_n = 0.0, 0
+        # Every logged step: how far the models are apart (0 by construction for the allreduce baselines).
+        consensus = 0.0 if getattr(optimizer, "models_agree", False) else consensus_distance(
+            engine, optimizer.evaluation_parameters())
+        if evaluating:
+            last_eval = {"eval_loss": eval_loss, "accuracy": accuracy}
+            evals.spent(eval_s)
         record = {
             "step": step,
             "epoch": round(sampler.epoch_progress(), 4),
             "loss": train_loss,
-            "eval_loss": eval_loss,
-            "accuracy": accuracy,
-            "consensus_distance": consensus_distance(engine, optimizer.evaluation_parameters()),
+            # null where this step did not evaluate (EvalSchedule)
+            **(last_eval if evaluating else {"eval_loss": None, "accuracy": None}),
+            "consensus_distance": consensus,
             "step_time_s": step_time,
             "throughput_samples_per_s": scaling.throughput(size, sampler.batch_size, step_time),
             "bytes_sent": mean_sent,
             "elapsed_s": elapsed_before + time.perf_counter() - started,
+            "time_s": clock.latest_s(),  # collective: the last rank's training time
+            "time_source": engine.time_source,
         }
         if rank == 0:
             results.append_jsonl(metrics_path, record)
@@ -249,9 +296,10 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
             break
 
     optimizer.finish()
+    mark(engine, "training loop")
     parameters = optimizer.evaluation_parameters().detach().cpu().clone()
-    step_time_s, comm_time_s, bytes_per_step = global_mean(
-        engine, timer.mean_step_s, timer.mean_blocked_s, bytes_sent / max(1, timer.steps))
+    step_time_s, comm_time_s, bytes_per_step, eval_time_s = global_mean(
+        engine, timer.mean_step_s, timer.mean_blocked_s, bytes_sent / max(1, timer.steps), evals.time_s)
     uses_topology = type(optimizer).uses_topology
     summary = job_identity(cfg, ranks=size, engine=engine.name, batch_size=sampler.batch_size)
     summary.update({
@@ -261,8 +309,8 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
         "status": status,
         "error": error,
         "final_loss": record.get("loss"),
-        "final_eval_loss": record.get("eval_loss"),
-        "final_accuracy": record.get("accuracy"),
+        "final_eval_loss": last_eval.get("eval_loss"),  # the last evaluation's
+        "final_accuracy": last_eval.get("accuracy"),
         "consensus_distance": record.get("consensus_distance"),
         "steps": record.get("step", 0),
         "epochs": record.get("epoch"),
@@ -270,6 +318,13 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
         "comm_time_s": comm_time_s,
         "throughput_samples_per_s": scaling.throughput(size, sampler.batch_size, step_time_s),
         "bytes_sent_per_step": bytes_per_step,
+        "heterogeneity": heterogeneity.describe(),
+        "train_time_s": record.get("time_s"),
+        "train_time_source": engine.time_source,
+        # Held-out evaluation, apart from training: seconds per rank (mean over ranks), how many, how often.
+        "eval_time_s": eval_time_s,
+        "evaluations": evals.count,
+        "eval_every": evals.interval,
     })
     if checkpoints.step:
         summary["resumed_from_step"] = checkpoints.step
@@ -277,11 +332,37 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
         summary["checkpoint_step"] = step
     else:
         summary.update(job_figures(cfg, engine, job, sampler.batch_size, timer, single.finish()))
+        mark(engine, "scaling figures: reference rounds left, baseline probe")
     optimizer.close()
     summary["wall_time_s"] = time.perf_counter() - started
     if rank == 0:
         results.write_json_atomic(run_dir / results.SUMMARY, summary)
     return Trained(summary, float(loss.detach()) if loss is not None else None, parameters)
+
+
+class TrainClock:
+    """A rank's training time for time-to-accuracy: its simulated clock on virtual ranks; on real
+    ranks the wall seconds spent inside training steps (evaluation and logging left out)."""
+
+    def __init__(self, engine: Engine, before_s: float = 0.0) -> None:
+        self.engine = engine
+        self.simulated = engine.time_source == "simulated"
+        self.origin = engine.clock_s - before_s if self.simulated else 0.0
+        self.total_s = before_s
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        self.total_s += time.perf_counter() - self._t0
+
+    def now_s(self) -> float:
+        return self.engine.clock_s - self.origin if self.simulated else self.total_s
+
+    def latest_s(self) -> float:
+        """Collective: the largest training time over ranks (when the slowest rank reached this point)."""
+        return max(gather_floats(self.engine, self.now_s())[0])
 
 
 # ---------------------------------------------------------------- scaling figures of a job
@@ -613,10 +694,13 @@ def main(argv: list[str] | None = None) -> None:
     from bfexp.comm import engine_class
 
     argv = sys.argv[1:] if argv is None else argv
+    defer_dynamo()
     run_dir = Path(argv[0])
     cfg = OmegaConf.load(run_dir / results.CONFIG)
     engine_cls = engine_class(cfg.engine.name)  # mpi, or nccl: one rank per GPU, its unique id over MPI
+    PHASES.mark("start: python, MPI init, torch and bfexp imports")
     engine = engine_cls(**engine_options(cfg, engine_cls))
+    PHASES.mark("engine: communicators")
     _redirect_output(run_dir, engine.rank)
     watchdog.enable_stack_dumps()  # the hang watchdog's SIGUSR2, and crashes: every thread's stack into the log
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -628,6 +712,10 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:  # e.g. the run folder's disk is full: the driver finds out from the exit
             pass
         raise  # mpi4py's runner turns this into MPI_Abort: every rank ends
+    PHASES.mark("summary")
+    if engine.rank == 0:
+        with contextlib.suppress(OSError):
+            results.write_json_atomic(run_dir / results.LOGS_DIR / results.TIMING, {"spans": PHASES.spans})
     engine.close()  # free windows and communicators before MPI finalizes
     # Finalize MPI and leave without the interpreter's final garbage collection, which takes
     # seconds with torch loaded: a stopped or finished job ends promptly.

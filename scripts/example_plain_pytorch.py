@@ -1,12 +1,15 @@
 """A plain PyTorch training loop made decentralized by wrapping its optimizer.
 
-Run it on 4 MPI ranks (each rank trains on its own, differently distributed data):
+Run it on 4 MPI ranks (each rank trains on its own, differently distributed data),
+or on 4 virtual ranks in one process:
 
-    .venv/bin/mpiexec -n 4 .venv/bin/python -m mpi4py scripts/example_plain_pytorch.py
+    .venv/bin/python -m bfexp.run -n 4 python scripts/example_plain_pytorch.py
+    .venv/bin/python -m bfexp.run -n 4 --engine threads python scripts/example_plain_pytorch.py
 
-Compared with single-process PyTorch, three lines change: make an engine
-(who the other ranks are), pick a topology (who talks to whom), and wrap
-the optimizer. The loop itself (zero_grad, forward, backward, step) stays.
+Compared with single-process PyTorch, two lines change: import bfexp, and
+wrap the optimizer with an algorithm and a topology (by name, or objects).
+Who the other ranks are comes from the launcher. The loop itself
+(zero_grad, forward, backward, step) stays.
 """
 
 from __future__ import annotations
@@ -15,9 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bfexp.algorithms import ExactDiffusion
-from bfexp.comm.mpi import MPIEngine
-from bfexp.topology import SymmetricExp2
+import bfexp as bf
 
 
 def rank_data(rank: int, samples: int = 512, features: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,15 +31,12 @@ def rank_data(rank: int, samples: int = 512, features: int = 16) -> tuple[torch.
 
 
 def main() -> None:
-    engine = MPIEngine()  # 1. who the other ranks are
-    topology = SymmetricExp2(engine.size, weights="metropolis")  # 2. who talks to whom
-    torch.manual_seed(0)  # the same initial model on every rank
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))  # rank 0's starts everywhere
     local = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    optimizer = ExactDiffusion(local, engine, topology, model=model)  # 3. wrap the optimizer
+    optimizer = bf.DistributedOptimizer(local, model, algorithm="exact_diffusion", topology="symmetric_exp2")
 
-    x, y = rank_data(engine.rank)
-    g = torch.Generator().manual_seed(engine.rank)
+    x, y = rank_data(bf.rank())
+    g = torch.Generator().manual_seed(bf.rank())
     for step in range(300):  # the usual loop
         idx = torch.randint(0, len(y), (32,), generator=g)
         optimizer.zero_grad()
@@ -50,9 +48,9 @@ def main() -> None:
     with torch.no_grad():
         full_loss = F.cross_entropy(model(x), y).item()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    mean = engine.allreduce(params, op="avg")
-    spread = float(engine.allreduce(((params - mean) ** 2).sum().reshape(1), op="avg"))
-    print(f"rank {engine.rank}: loss on its own data {full_loss:.3f}; consensus distance {spread:.2e}", flush=True)
+    mean = bf.allreduce(params, op="avg")
+    spread = float(bf.allreduce(((params - mean) ** 2).sum().reshape(1), op="avg"))
+    print(f"rank {bf.rank()}: loss on its own data {full_loss:.3f}; consensus distance {spread:.2e}", flush=True)
 
 
 if __name__ == "__main__":

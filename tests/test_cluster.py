@@ -12,6 +12,7 @@ numpy references.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 
 import numpy as np
@@ -126,16 +127,27 @@ def test_srun_outside_an_allocation_is_refused(bfexp, monkeypatch):
     assert not (bfexp.cwd / "run" / "logs").exists()
 
 
-def test_launcher_commands_spell_what_bfrun_and_srun_users_type():
+LAUNCH_BASE = {"ranks": 16, "engine": {"name": "mpi", "mpiexec_args": []}}
+
+
+@pytest.mark.skipif(shutil.which("srun") is None, reason="needs Slurm's srun on PATH (.ci/run brings a local Slurm up)")
+def test_the_srun_command_spells_what_srun_users_type():
+    from omegaconf import OmegaConf
+
+    from bfexp.launch import rank_command
+
+    srun = rank_command(OmegaConf.create({**LAUNCH_BASE, "launcher": {
+        "name": "srun", "ranks_per_node": 8, "network_interface": None, "extra_args": []}}), "RUN")
+    assert srun[1:6] == ["--mpi=pmix", "--ntasks=16", "--nodes=2", "--ntasks-per-node=8", "--kill-on-bad-exit=1"]
+
+
+def test_launcher_commands_spell_what_bfrun_users_type():
     """The rank command of each launcher carries the options the README documents."""
     from omegaconf import OmegaConf
 
     from bfexp.launch import rank_command
 
-    base = {"ranks": 16, "engine": {"name": "mpi", "mpiexec_args": []}}
-    srun = rank_command(OmegaConf.create({**base, "launcher": {"name": "srun", "ranks_per_node": 8,
-                                                               "network_interface": None, "extra_args": []}}), "RUN")
-    assert srun[1:6] == ["--mpi=pmix", "--ntasks=16", "--nodes=2", "--ntasks-per-node=8", "--kill-on-bad-exit=1"]
+    base = LAUNCH_BASE
     mpirun = rank_command(OmegaConf.create({**base, "launcher": {"name": "mpirun", "hosts": "n1:8,n2:8", "hostfile": None,
                                                                  "network_interface": "eth0", "extra_args": []}}), "RUN")
     text = " ".join(mpirun)

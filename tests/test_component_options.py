@@ -44,6 +44,9 @@ CASES = [
     ("launcher", ["launcher=srun", "launcher.ranks_per_node=many"], ["launcher.ranks_per_node", "many"]),
     ("launcher", ["launcher=srun", "launcher.ranks_per_node=-1"], ["launcher.ranks_per_node=-1", ">= 0"]),
     ("launcher", ["launcher.hosts=n1:8"], ["unknown key 'launcher.hosts'"]),
+    ("heterogeneity", ["heterogeneity.factor=fast"], ["heterogeneity.factor='fast'", "a number"]),
+    ("heterogeneity", ["heterogeneity.factor=0.5"], ["heterogeneity.factor=0.5", ">= 1"]),
+    ("heterogeneity", ["+heterogeneity.speed=2"], ["unknown key 'heterogeneity.speed'", "factor"]),
 ]
 
 

@@ -26,6 +26,8 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml
 SMALL: dict[str, list[str]] = {
     # 20 of its 400 steps: still 16 virtual ranks, so its bytes per step are the full study's.
     "comm_efficient": ["steps=20", "log_every=10"],
+    # Virtual ranks only (the MPI half takes minutes), 20 steps; still 8 ranks and the 4x straggler.
+    "async_stragglers": ["steps=20", "log_every=10", "eval_every=10", "engine=threads", "scaling.reference_steps=2"],
 }
 
 
@@ -237,3 +239,24 @@ def test_comm_efficient_readme_states_the_bytes_the_study_counts(studies):
         assert numbers(cells[4])[0] == pytest.approx(jobs[method]["bytes_sent_per_step"], abs=0.5), method
         assert numbers(cells[5])[0] == pytest.approx(
             jobs[method]["bytes_sent_per_step"] / jobs["dsgd"]["bytes_sent_per_step"], abs=0.0005), method
+
+
+# ------------------------------------------------------------------ async_stragglers
+ASYNC_STRAGGLERS = ("allreduce", "dsgd", "async_push_sum", "gossip", "ad_psgd")
+
+
+def test_async_stragglers_claim(studies):
+    """recipes/async_stragglers on virtual ranks: rank 0 computes 4 x 10 ms of simulated time per step, and
+    every rank runs the same steps with a metrics collective every 10, so every method's training time is
+    the straggler's, 20 x 0.04 s; the allreduce job reaches its own final accuracy (the target) by then."""
+    sweep = studies("async_stragglers")
+    rows = {r["algorithm"]: r for r in read_csv(sweep.folder / "report.csv")}
+    assert set(rows) == set(ASYNC_STRAGGLERS)
+    for s in sweep.summaries:
+        assert s["heterogeneity"]["slow_ranks"] == [0] and s["heterogeneity"]["factor"] == 4.0
+        assert s["train_time_source"] == "simulated"
+        assert s["train_time_s"] == pytest.approx(20 * 0.04, abs=1e-9), s["algorithm"]
+    base = rows["allreduce"]
+    assert float(base["target_accuracy"]) == pytest.approx(float(base["final_accuracy"]))
+    assert float(base["time_to_target_accuracy_s"]) <= 20 * 0.04 + 1e-9
+    assert rows["dsgd"]["topology"] == rows["async_push_sum"]["topology"] == "one_peer_exp2"

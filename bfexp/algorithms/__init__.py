@@ -14,7 +14,9 @@ From config, conf/algorithm/<name>.yaml names the class (``_target_``,
 
 from __future__ import annotations
 
+from bfexp.algorithms.ad_psgd import ADPSGD
 from bfexp.algorithms.allreduce import Allreduce
+from bfexp.algorithms.async_push_sum import AsyncPushSum
 from bfexp.algorithms.base import DecentralizedOptimizer, GlobalAverage, Requirements
 from bfexp.algorithms.choco_sgd import ChocoSGD
 from bfexp.algorithms.compressed_allreduce import CompressedAllreduce
@@ -22,6 +24,7 @@ from bfexp.algorithms.ddp import DDP
 from bfexp.algorithms.diloco import DiLoCo
 from bfexp.algorithms.dsgd import DSGD
 from bfexp.algorithms.exact_diffusion import ExactDiffusion
+from bfexp.algorithms.gossip import Gossip
 from bfexp.algorithms.gradient_tracking import GradientTracking
 from bfexp.algorithms.push_diging import PushDIGing
 from bfexp.algorithms.push_sum import PushSum
@@ -30,15 +33,18 @@ from bfexp.algorithms.slowmo import SlowMo
 from bfexp.errors import TopologyMismatch
 
 __all__ = [
+    "ADPSGD",
     "DDP",
     "DSGD",
     "Allreduce",
+    "AsyncPushSum",
     "ChocoSGD",
     "CompressedAllreduce",
     "DecentralizedOptimizer",
     "DiLoCo",
     "ExactDiffusion",
     "GlobalAverage",
+    "Gossip",
     "GradientTracking",
     "PushDIGing",
     "PushSum",

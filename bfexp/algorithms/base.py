@@ -42,9 +42,11 @@ states about itself, each read before any rank starts:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
+import sys
 import typing
 import warnings
 import weakref
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal
 
 import torch
+import torch.optim.optimizer as _optimizer_module  # its global step hooks (register_optimizer_step_*_hook)
 
 from bfexp.algorithms.buckets import Bucket, GradBuckets
 from bfexp.comm.engine import Engine, Handle
@@ -115,7 +118,7 @@ def set_flat_grad_(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
         offset += n
 
 
-class DecentralizedOptimizer:
+class DecentralizedOptimizer(torch.optim.Optimizer):
     """step() = the local update plus the communication the rule needs.
 
     ``optimizer`` is the local torch optimizer (SGD, momentum SGD, Adam...):
@@ -133,6 +136,13 @@ class DecentralizedOptimizer:
     (Gossip-PGA: every G-th round averages exactly; 0 = never). A subclass
     adds its own as keywords and forwards the rest:
     ``DSGD(opt, engine, topology, style="awc", overlap=False)``.
+
+    To torch it is an Optimizer (``isinstance``, LR schedulers, step hooks):
+    ``param_groups``, ``state`` and ``defaults`` are the local optimizer's own
+    (a scheduler that sets the learning rate sets the local optimizer's).
+    Assigning, from outside, an attribute it does not have raises
+    AttributeError naming it (an option of another rule would otherwise be
+    ignored); its own code may add attributes freely.
     """
 
     # Its label in summaries and messages: the config option's name. A subclass
@@ -141,6 +151,13 @@ class DecentralizedOptimizer:
     requires: ClassVar[Requirements] = Requirements()
     # False for the allreduce baselines: they never read the topology.
     uses_topology: ClassVar[bool] = True
+
+    @property
+    def models_agree(self) -> bool:
+        """Whether every rank's model is the same by construction: the allreduce baselines (every rank
+        applies the same averaged update to the same start). Their consensus distance is 0 without
+        the model-sized allreduce that measures it."""
+        return not self.uses_topology
     # True when the rule adapts per bucket during backward (see module doc).
     bucketed: ClassVar[bool] = False
     # False when the rule's exchange needs the finished step, so nothing can overlap it
@@ -149,6 +166,9 @@ class DecentralizedOptimizer:
     # What one communicating step sends (the cost model prices it). The default,
     # one model-sized neighbor exchange, is DSGD's; a user's rule without one is priced so.
     traffic: ClassVar[Traffic] = Traffic("neighbor")
+    # True when ranks never wait for one another inside step() (one-sided window ops only):
+    # async_push_sum, gossip, ad_psgd. Their finish() is collective: it drains what is in flight.
+    asynchronous: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -190,6 +210,9 @@ class DecentralizedOptimizer:
         """
         self.check_options(communication_period=communication_period, overlap=overlap, bucket_mb=bucket_mb,
                            global_average_every=global_average_every)
+        # torch.optim.Optimizer's hook tables (its __init__ would re-group the parameters: not called).
+        for table in _HOOK_TABLES:
+            setattr(self, table, collections.OrderedDict())
         self.optimizer = optimizer
         self.engine = engine
         if self.uses_topology:
@@ -218,7 +241,7 @@ class DecentralizedOptimizer:
             self.buckets = GradBuckets(self.params, bucket_bytes, self.bucket_ready)
         self._pre_hook = model.register_forward_pre_hook(_BeginHook(self)) if model is not None else None
 
-    # torch.optim.Optimizer look-alike ---------------------------------------
+    # torch.optim.Optimizer: the local optimizer's groups, state and defaults -------
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
@@ -227,11 +250,40 @@ class DecentralizedOptimizer:
     def state(self) -> Any:
         return self.optimizer.state
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps its parameters in one flat buffer made when it was "
+                                  "built; add the group to the local optimizer before wrapping it")
+
+    def __getstate__(self) -> dict[str, Any]:  # a plain object's, not torch.optim.Optimizer's three keys
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # opt.self_weight = 0.5 on a rule without one must fail, not be ignored; torch's own (private) and
+        # existing attributes, and whatever the object's own methods set, pass.
+        if not (name.startswith("_") or name in self.__dict__ or hasattr(type(self), name) or _own_code(self)):
+            from bfexp.config import RUNTIME, signature_schema
+
+            options = [k for k in signature_schema(type(self))[0]
+                       if k in self.__dict__ and k not in RUNTIME["algorithm"]]
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}, so setting it would change "
+                                 f"nothing; allowed: its options {', '.join(options)} or another attribute it has")
+        object.__setattr__(self, name, value)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._begin()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        for pre in (*_optimizer_module._global_optimizer_pre_hooks.values(),
+                    *self._optimizer_step_pre_hooks.values()):
+            pre(self, (closure,), {})
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -240,6 +292,9 @@ class DecentralizedOptimizer:
             self.late_begin()
         self.update(self.communicates_now())
         self.iteration += 1
+        for post in (*self._optimizer_step_post_hooks.values(),
+                     *_optimizer_module._global_optimizer_post_hooks.values()):
+            post(self, (closure,), {})
         return loss
 
     def state_dict(self) -> dict:
@@ -279,6 +334,11 @@ class DecentralizedOptimizer:
         """Per-rank state beyond the parameters and the local optimizer (for state_dict)."""
         return {}
 
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """This rank's mini-batch loss of the iteration, a detached scalar tensor (the training loop
+        reports it after backward). Rules that weigh models by their loss (gossip) keep it; the rest
+        ignore it (and so never wait for a GPU to produce it)."""
+
     # shared pieces -------------------------------------------------------
     def communicates_now(self, iteration: int | None = None) -> bool:
         """Local SGD: exchange only on every `communication_period`-th iteration."""
@@ -295,7 +355,8 @@ class DecentralizedOptimizer:
             if self._average is None:
                 self._average = GlobalAverage.of(self.engine.rank, self.engine.size)
             return self._average
-        return self.topology.weights(self.engine.rank, r)
+        w = self.topology.weights(self.engine.rank, r)
+        return TopologyRound(w.self_weight, w.src_weights, w.dst_weights, r)
 
     def start_mix(self, tensor: torch.Tensor, w: RankWeights, scale: float = 1.0) -> Handle:
         """Start (W X)_i in place for a row-stochastic W; ``scale`` mixes with (1-s) I + s W instead.
@@ -305,6 +366,9 @@ class DecentralizedOptimizer:
         """
         if isinstance(w, GlobalAverage):
             return self.start_average(tensor, scale)
+        if scale == 1.0 and isinstance(w, TopologyRound) and self.topology is self.engine.topology:
+            # W(r) as the engine's topology gives it: checked at its first use, then no declaration round trip.
+            return self.engine.ineighbor_allreduce_(tensor, t=w.round)
         self_weight = 1.0 - scale + scale * w.self_weight
         src = {j: scale * v for j, v in w.src_weights.items()}
         return self.engine.ineighbor_allreduce_(tensor, self_weight, src, list(w.dst_weights))
@@ -491,6 +555,13 @@ class DecentralizedOptimizer:
 
 
 @dataclass(frozen=True)
+class TopologyRound(RankWeights):
+    """This rank's row and column of the topology's W(r), and r: the engine can take them from its own topology."""
+
+    round: int = 0
+
+
+@dataclass(frozen=True)
 class GlobalAverage(RankWeights):
     """One rank's row and column of J = 11^T / n: every weight 1/n (Gossip-PGA's exact average)."""
 
@@ -519,6 +590,25 @@ class _BeginHook:
         return _BeginHook(None)
 
 
+def neighbors_over_period(topology: Topology, rank: int) -> tuple[list[int], list[int]]:
+    """(in-neighbors, out-neighbors) of ``rank`` in the union of W(t) over one period: the neighbors
+    a window must be created with for a rule that follows a dynamic graph."""
+    srcs: set[int] = set()
+    dsts: set[int] = set()
+    for t in range(topology.period):
+        w = topology.weights(rank, t)
+        srcs.update(w.src_weights)
+        dsts.update(w.dst_weights)
+    return sorted(srcs), sorted(dsts)
+
+
+def window_name(engine: Engine, label: str) -> str:
+    """A window name every rank derives alike: ``label`` and how many this engine has named so far."""
+    count = engine.__dict__.setdefault("_bfexp_windows_named", [0])
+    count[0] += 1
+    return f"bfexp.{label}.{count[0]}"
+
+
 @functools.cache
 def _word_options(cls: type[DecentralizedOptimizer]) -> dict[str, tuple[Any, ...]]:
     """{option: its allowed words} for every keyword of cls's constructors annotated with a Literal."""
@@ -534,6 +624,19 @@ def _word_options(cls: type[DecentralizedOptimizer]) -> dict[str, tuple[Any, ...
             if typing.get_origin(hint) is Literal:
                 words.setdefault(key, typing.get_args(hint))
     return words
+
+
+# What torch.optim.Optimizer.__init__ would make (its register_*_hook methods fill them).
+_HOOK_TABLES = (
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def _own_code(obj: object) -> bool:
+    """Whether the assignment being made to ``obj`` comes from one of its own methods (``self`` is ``obj``)."""
+    frame = sys._getframe(2)  # _own_code <- __setattr__ <- the assigning code
+    return frame.f_locals.get("self") is obj
 
 
 def _unique(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

@@ -31,6 +31,11 @@ The kinds of exchange and what each requires:
   neighbor_allreduce, and one window name on every rank;
 * ``allgather_problems`` (the collective allgather): every rank gives the
   same list, but for first dimensions.
+
+``TopologyPatterns``: an exchange whose weights every rank takes from the
+engine's own topology (round t) is declared the first time each round, size
+and dtype comes; once found consistent it is trusted and repeats skip the
+gather (the per-call round trip a small model's step cannot hide).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import functools
 import threading
 import zlib
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +58,7 @@ __all__ = [
     "GatherDeclaration",
     "MachineDeclaration",
     "Table",
+    "TopologyPatterns",
     "WindowDeclaration",
     "allgather_problems",
     "dtype_name",
@@ -146,6 +152,55 @@ class _KnownGood:
 _KNOWN_GOOD = _KnownGood()
 
 
+class TopologyPatterns:
+    """Exchanges an engine's static topology gives (weights left out), found consistent once: not declared again.
+
+    Every rank takes such an exchange's pattern from the same topology at the same
+    round, so after one check of each (round, size, dtype) (which finds the ranks'
+    topologies, sizes and dtypes in agreement) a repeat cannot disagree: it skips the
+    gather, and costs what the bare exchange costs. Every rank learns the same keys
+    from the same checks, so every rank skips the same calls. A program whose ranks
+    leave the topology at different calls is not caught (it hangs, as raw MPI does;
+    the hang watchdog names it); exchanges with explicit weights are always checked.
+    """
+
+    def __init__(self) -> None:
+        self._known: set[tuple] = set()
+        self._held: dict[int, Any] = {}  # the topologies keyed by id, kept alive so no other object takes the id
+        self._specs: dict[tuple, Any] = {}  # (topology id, round) -> this rank's NeighborSpec, read-only
+
+    def spec(self, topology: Any, t: int, make: Callable[[], Any]) -> Any:
+        """This rank's part of the topology's round ``t`` (made once per round: a topology repeats)."""
+        key = (id(topology), int(t) % int(getattr(topology, "period", 1) or 1))
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = make()
+            self._held[key[0]] = topology
+        return spec
+
+    @staticmethod
+    def key(topology: Any, t: int, numel: int, dtype: torch.dtype) -> tuple | None:
+        """What identifies a repeat: the topology object, the round within its period, size and dtype."""
+        if topology is None:
+            return None
+        period = int(getattr(topology, "period", 1) or 1)
+        return (id(topology), int(t) % period, int(numel), dtype)
+
+    def __contains__(self, key: tuple | None) -> bool:
+        return key is not None and key in self._known
+
+    def learner(self, key: tuple | None, topology: Any = None) -> Callable[[], None] | None:
+        """What a declaration calls once found consistent: remember ``key`` (None: nothing to learn)."""
+        if key is None:
+            return None
+
+        def learn() -> None:
+            self._held[key[0]] = topology
+            self._known.add(key)
+
+        return learn
+
+
 class Declaration:
     """This rank's declaration of a neighbor_allreduce: sources, destinations, size and dtype.
 
@@ -166,10 +221,12 @@ class Declaration:
         count: int = 1,
         signature: int = 0,
         label: str | None = None,
+        learned: Callable[[], None] | None = None,
     ) -> None:
         self.op = op
         self.units = units
         self.label = label or op
+        self.learned = learned  # told when the exchange is found consistent (TopologyPatterns)
         self.header = header(numel, dtype, count, signature)
         self.row = np.concatenate([self.header.view(np.uint8), _pattern_bits(units, tuple(srcs), tuple(dsts))])
 
@@ -187,10 +244,13 @@ class Declaration:
         """What is wrong with the exchange whose declarations are ``rows`` (rank order); [] when nothing."""
         key = self._cache_key(rows)
         if key in _KNOWN_GOOD:
-            return []
-        problems = self.problems(self.table(rows))
-        if not problems:
-            _KNOWN_GOOD.add(key)
+            problems = []
+        else:
+            problems = self.problems(self.table(rows))
+            if not problems:
+                _KNOWN_GOOD.add(key)
+        if not problems and self.learned is not None:
+            self.learned()
         return problems
 
     def verify(self, rows: np.ndarray) -> None:

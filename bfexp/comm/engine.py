@@ -69,6 +69,15 @@ One-sided windows, for asynchronous algorithms (push-sum, gossip):
   ``self_weight * own + sum_j w_j * slot_j``, and the same for p; ``reset``
   zeroes the slots it used. Weights left out average self and all slots.
 * ``win_weight(name)`` is p; ``own / p`` is the de-biased (push-sum) value.
+* ``win_lock(name)``: a context manager holding this rank's window memory
+  exclusively (no peer's op touches it meanwhile): for a local
+  read-modify-write of the own value that peers also change.
+* ``win_exchange(name, peer, combine)``: an atomic pair-wise transaction:
+  ``combine(mine, theirs)`` runs while both ranks' window memory is held,
+  ``mine`` this rank's own value (live), ``theirs`` a copy of the peer's;
+  what ``combine`` leaves in ``theirs`` is written back to the peer (weights
+  stay). Locks are taken in ascending rank order, so concurrent exchanges
+  never deadlock (pair-wise gossip, AD-PSGD's atomic averaging).
 * ``win_free(name)`` (collective).
 
 A window's in- and out-neighbors are fixed when it is created (left out:
@@ -96,7 +105,8 @@ return ``(wait, done)`` for work they posted:
   order);
 * ``_declare_all(declaration)``: every rank's declaration, blocking;
 * windows: ``_win_allocate``, ``_win_release``, ``_win_send`` (write or add
-  one slot of a peer), ``_win_fetch`` (read a peer's own value) and
+  one slot of a peer), ``_win_fetch`` (read a peer's own value), ``_win_swap``
+  (read a peer's own value and write it back, holding the peer) and
   ``_run_window_op`` (run now, or on a helper thread); a Window's
   ``exclusive()`` guards this rank's own window memory.
 
@@ -118,7 +128,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Se
 import numpy as np
 import torch
 
-from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDeclaration, Table, WindowDeclaration
+from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDeclaration, Table, TopologyPatterns
+from bfexp.comm.declarations import WindowDeclaration
 from bfexp.errors import CommError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -487,6 +498,8 @@ class Engine(abc.ABC):
     virtual: ClassVar[bool]  # ranks are threads of one process
     processes: ClassVar[bool]  # one OS process per rank, started by mpiexec
     device_type: ClassVar[str]  # where its tensors live: "cpu" or "cuda"
+    # What clock_s is: wall-clock "measured" on real ranks; "simulated" on virtual ranks (bfexp.comm.threads).
+    time_source: ClassVar[str] = "measured"
     # False skips the declaration check of neighbor_allreduce and hierarchical_neighbor_allreduce
     # (one tiny Allgather per call): a mismatch then hangs, as raw MPI does.
     check_neighbors: bool = True
@@ -499,11 +512,28 @@ class Engine(abc.ABC):
         self.bytes_sent = 0  # bytes this rank has put on the wire, as ``sent_bytes`` counts them
         self._blocking_depth = 0
         self._windows: dict[str, Window] = {}
+        # Exchanges the static topology gives (weights left out) whose declarations were found consistent.
+        self._patterns = TopologyPatterns()
+        self._clock_origin = time.perf_counter()
 
     @classmethod
     def available(cls, ranks: int, ranks_per_machine: int | None = None) -> tuple[bool, str]:
         """Can ``ranks`` ranks of this engine run here? ``(True, '')`` or ``(False, what is missing)``."""
         return True, ""
+
+    # time ---------------------------------------------------------------
+    @property
+    def clock_s(self) -> float:
+        """This rank's time (s): wall-clock since the engine started (virtual ranks: their simulated clock)."""
+        return time.perf_counter() - self._clock_origin
+
+    def advance(self, seconds: float) -> None:
+        """Let ``seconds`` of this rank's time pass: a real sleep here (virtual ranks move their clock)."""
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def schedule(self) -> None:
+        """Collective: run the ranks in clock order (virtual ranks); real ranks run in real time: nothing to do."""
 
     # identity -----------------------------------------------------------
     @property
@@ -543,6 +573,7 @@ class Engine(abc.ABC):
         if topology is not None and topology.size != self.size:
             raise ValueError(f"topology has {topology.size} ranks, engine has {self.size}")
         self.topology = topology
+        self._patterns = TopologyPatterns()  # a new graph: its exchanges are checked afresh
 
     def set_machine_topology(self, topology: "Topology | None") -> None:
         """Static topology among machines, for hierarchical ops called without weights."""
@@ -633,36 +664,41 @@ class Engine(abc.ABC):
     # neighbor ops: the public forms -------------------------------------
     def neighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None = None,
-        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
     ) -> TensorOrList:
-        """Weighted combination of own and in-neighbors' values (see module doc); new tensor(s)."""
+        """Weighted combination of own and in-neighbors' values (see module doc); new tensor(s).
+
+        Weights left out are the static topology's W(``t``) (``set_topology``); such an exchange's
+        declarations are checked the first time each (t, size, dtype) comes, then trusted: every
+        rank takes its weights from the same topology, so the pattern agrees by construction.
+        """
         start = self._neighbor_allreduce
         return self._blocking(
-            "neighbor_allreduce", lambda: start(tensors, self_weight, src_weights, dst_weights, False, True).wait()
+            "neighbor_allreduce", lambda: start(tensors, self_weight, src_weights, dst_weights, False, True, t).wait()
         )
 
     def neighbor_allreduce_(
         self, tensors: TensorOrList, self_weight: float | None = None,
-        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
     ) -> TensorOrList:
         """neighbor_allreduce written into ``tensors`` (returned)."""
         return self._blocking(
             "neighbor_allreduce_",
-            lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, True).wait(),
+            lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, True, t).wait(),
         )
 
     def ineighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None = None,
-        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
     ) -> Handle:
-        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=False, blocking=False)
+        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, False, False, t)
 
     def ineighbor_allreduce_(
         self, tensors: TensorOrList, self_weight: float | None = None,
-        src_weights: Weights | None = None, dst_weights: DstWeights | None = None,
+        src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
     ) -> Handle:
         """In place: leave ``tensors`` alone until wait."""
-        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, inplace=True, blocking=False)
+        return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, False, t)
 
     def neighbor_allgather(
         self, tensors: TensorOrList, src_ranks: Sequence[int] | None = None, dst_ranks: Sequence[int] | None = None
@@ -749,18 +785,25 @@ class Engine(abc.ABC):
 
     def _neighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None, src_weights: Weights | None,
-        dst_weights: DstWeights | None, inplace: bool, blocking: bool,
+        dst_weights: DstWeights | None, inplace: bool, blocking: bool, t: int = 0,
     ) -> Handle:
         started = time.perf_counter()
         op = "neighbor_allreduce"
-        spec = self.neighbor_spec(self_weight, src_weights, dst_weights)
+        if self_weight is None and src_weights is None and dst_weights is None and self.topology is not None:
+            spec = self._patterns.spec(self.topology, t, lambda: self.neighbor_spec(None, None, None, t))
+        else:
+            spec = self.neighbor_spec(self_weight, src_weights, dst_weights, t)
         call = self._weighted_call(op, tensors, inplace, spec, "src", "dst")
         nbytes = call.nbytes * len(spec.dst_weights)  # what this rank sends
         if self.size == 1:
             return self._track(op, nbytes, started, lambda: call.combine(spec, {}), None, **call.meta)
         decl = None
         if self.check_neighbors:
-            decl = Declaration(op, self.size, spec.src_weights, spec.dst_weights, call.numel, call.dtype)
+            given = self_weight is None and src_weights is None and dst_weights is None and not self.virtual
+            key = self._patterns.key(self.topology, t, call.numel, call.dtype) if given else None
+            if key is None or key not in self._patterns:  # virtual ranks' exchange is their check: always declare
+                decl = Declaration(op, self.size, spec.src_weights, spec.dst_weights, call.numel, call.dtype,
+                                   learned=self._patterns.learner(key, self.topology))
         pending = self._post_neighbor_allreduce(call, spec, decl, blocking)
         return self._track(op, nbytes, started, *pending, **call.meta)
 
@@ -843,6 +886,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def _win_fetch(self, window: Window, src: int, into: torch.Tensor) -> float:
         """Copy src's own value into ``into`` and return its weight, atomically."""
+
+    @abc.abstractmethod
+    def _win_swap(self, window: Window, peer: int, change: Callable[[torch.Tensor], None]) -> None:
+        """Holding peer's window memory exclusively: copy its own value out, ``change(copy)`` in place, write it back."""
 
     def _run_window_op(self, window: Window, work: Callable[[], Any]) -> Pending:
         """Run a window op's work: here, now (engines may hand it to a helper thread)."""
@@ -953,6 +1000,25 @@ class Engine(abc.ABC):
         pending = self._run_window_op(w, lambda: self._win_update(w, float(self_weight), src, reset))
         return self._track("win_update", 0, started, *pending, window=name)
 
+    def win_lock(self, name: str) -> AbstractContextManager:
+        """Hold this rank's window memory exclusively (peers' ops wait): a local change of the own value."""
+        return self._window(name).exclusive()
+
+    def win_exchange(
+        self, name: str, peer: int, combine: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> None:
+        self._blocking("win_exchange", lambda: self.iwin_exchange(name, peer, combine).wait())
+
+    def iwin_exchange(
+        self, name: str, peer: int, combine: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> Handle:
+        """Start the atomic pair-wise transaction ``combine(mine, theirs)`` with ``peer`` (see module doc)."""
+        started = time.perf_counter()
+        w = self._window(name)
+        self._check_window_targets(w, [int(peer)], sorted(set(w.srcs) | set(w.dsts)), "neighbors", "win_exchange")
+        pending = self._run_window_op(w, lambda: self._win_exchange(w, int(peer), combine))
+        return self._track("win_exchange", 2 * w.row_bytes, started, *pending, src=[int(peer)], window=name)
+
     # windows: checks and push-sum arithmetic ----------------------------
     def _window(self, name: str) -> Window:
         try:
@@ -1011,13 +1077,28 @@ class Engine(abc.ABC):
 
     def _win_get(self, w: Window, src: dict[int, float]) -> None:
         """Each source's slot := ``w_j * (own value of j, p_j)``."""
-        fetched = torch.empty_like(w.own)
+        fetched = getattr(w, "_fetched", None)  # kept with the window: a get allocates nothing after its first
+        if fetched is None:
+            fetched = w._fetched = torch.empty_like(w.own)  # type: ignore[attr-defined]
         for s, weight in src.items():
             p = self._win_fetch(w, s, fetched)
             row = w.slot_of(s)
             with w.exclusive():
                 torch.mul(fetched, weight, out=w.data[row])
                 w.weights[row] = p * weight
+
+    def _win_exchange(self, w: Window, peer: int, combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Both windows held, the lower rank's first (a global lock order: no deadlock)."""
+        if self.rank < peer:
+            with w.exclusive():
+                self._win_swap(w, peer, lambda theirs: combine(w.own, theirs))
+        else:
+
+            def change(theirs: torch.Tensor) -> None:
+                with w.exclusive():
+                    combine(w.own, theirs)
+
+            self._win_swap(w, peer, change)
 
     def _win_update(self, w: Window, self_weight: float, src: dict[int, float], reset: bool) -> torch.Tensor:
         """own := ``self_weight * own + sum_j w_j * slot_j``, the same for p; ``reset`` empties the slots used."""

@@ -29,7 +29,11 @@ take a shared lock on the target, a rank changing its own window memory
 takes an exclusive lock on itself, so a put (data and push-sum weight
 together) is never seen half done. MPI cannot add half precision, so
 accumulate of float16/bfloat16 reads the slot, adds in float32 and writes
-it back under an exclusive lock. Nonblocking window ops run on one helper
+it back under an exclusive lock. An exchange (``win_exchange``) holds the
+peer's memory under an exclusive lock while it reads, changes and writes
+back its own value; one epoch on this rank's own memory at a time per
+process (a thread lock), since the caller's thread (``win_lock``) and the
+helper thread may both ask for it. Nonblocking window ops run on one helper
 thread per engine (the MPI library is initialized with MPI_THREAD_MULTIPLE
 by mpi4py); without that thread level they run inline and their handles
 come back completed. ``MPIHost`` is this host part alone: the NCCL engine
@@ -43,6 +47,7 @@ imports engine classes and must never initialize MPI.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -315,15 +320,19 @@ class _Window(Window):
         self.remote_slot = remote_slot  # dst -> row of our slot at dst
         self.remote_weights_at = remote_weights_at  # rank -> byte offset of its weights
         self.pending: list[Future] = []
+        # One epoch on our own memory at a time from this process: the caller's thread
+        # (Engine.win_lock) and the window helper thread may both ask for it.
+        self.local = threading.Lock()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         MPI = load_mpi()
-        self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-        try:
-            yield
-        finally:
-            self.win.Unlock(self.rank)
+        with self.local:
+            self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+            try:
+                yield
+            finally:
+                self.win.Unlock(self.rank)
 
 
 def _align8(n: int) -> int:
@@ -460,11 +469,27 @@ class MPIHost:
         w.win.Unlock(src)
         return float(fw[0])
 
+    def _win_swap(self, window: Window, peer: int, change: Callable[[torch.Tensor], None]) -> None:
+        assert isinstance(window, _Window)
+        MPI, w = load_mpi(), window
+        theirs = torch.empty(w.numel, dtype=w.dtype)
+        w.win.Lock(peer, MPI.LOCK_EXCLUSIVE)
+        try:
+            w.win.Get(_raw_bytes(theirs), peer, target=(0, w.row_bytes, MPI.BYTE))
+            w.win.Flush(peer)
+            change(theirs)
+            w.win.Put(_raw_bytes(theirs), peer, target=(0, w.row_bytes, MPI.BYTE))
+        finally:
+            w.win.Unlock(peer)
+
     def _run_window_op(self, window: Window, work: Callable[[], Any]) -> Pending:
-        """On the helper thread (MPI_THREAD_MULTIPLE), else inline."""
+        """On the helper thread (MPI_THREAD_MULTIPLE), else inline; inline also for a blocking form
+        (win_put, ...: the caller waits at once) when nothing of this window is in flight, which
+        saves the hand-over to the helper thread and back (most of a small op's time)."""
         assert isinstance(window, _Window)
         MPI = load_mpi()
-        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        idle = self._blocking_depth > 0 and all(f.done() for f in window.pending)  # type: ignore[attr-defined]
+        if idle or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
             result = work()
             return (lambda: result), None
         if self._window_thread is None:
@@ -574,6 +599,9 @@ class MPIEngine(MPIHost, Engine):
 
     def _post_broadcast(self, call: Call, root: int) -> Pending:
         out = call.writable()
+        if self._blocking_depth > 0:  # the caller waits at once: the blocking collective (no request to drive)
+            self.comm.Bcast(as_buffer(out), root=root)
+            return (lambda: call.deliver(out)), None
         return _after(self.comm.Ibcast(as_buffer(out), root=root), lambda: call.deliver(out))
 
     def _post_barrier(self, blocking: bool) -> Pending:

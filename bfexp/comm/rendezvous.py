@@ -12,6 +12,18 @@ the same order (the MPI contract), so the numbers pair the calls up:
   messages senders left for their receivers (snapshots taken at the call);
 * *windows* are registered per name and rank, for peers to reach into.
 
+Simulated time: every rank has a clock (seconds, from 0) that only its own
+``advance`` moves forward, and that waiting sets: a collective's members
+leave it at the largest of their clocks at posting, an exchange's receiver
+at the largest of its own and its senders' clocks at posting (moving data
+costs no simulated time). So clocks depend on what ranks do, never on how
+the host scheduled their threads. ``start_schedule`` (collective) turns the
+world into a discrete-event simulation for asynchronous algorithms: from
+then on ONE rank thread runs at a time, the runnable rank with the smallest
+clock (equal clocks: first come, first served; rank order at the start),
+until its next ``advance`` or wait; so one-sided window operations take
+effect in clock order, the same on every run.
+
 Coordination is one lock and one condition variable per rank. Where MPI
 would hang, waiting raises instead:
 
@@ -54,6 +66,7 @@ class _Collective:
     detail: Any  # what every member must agree on (op, root, ...)
     members: tuple[int, ...]
     inputs: dict[int, Any] = field(default_factory=dict)
+    clocks: dict[int, float] = field(default_factory=dict)  # each member's clock when it posted
     lock: threading.Lock = field(default_factory=threading.Lock)
     computed: bool = False
     result: Any = None
@@ -66,6 +79,7 @@ class _Exchange:
 
     declaration: Declaration  # the first declarer's: what the table is judged by
     rows: dict[int, np.ndarray] = field(default_factory=dict)
+    clocks: dict[int, float] = field(default_factory=dict)  # each rank's clock when it posted
     checked: bool = False
     problems: list[str] = field(default_factory=list)
     received: int = 0
@@ -94,6 +108,14 @@ class Rendezvous:
         self._windows: dict[str, dict[int, Window]] = {}
         self._failure: BaseException | None = None
         self._returned: set[int] = set()
+        # Simulated time (module doc): each rank's clock; in a scheduled world, who runs and who may.
+        self.clock = [0.0] * size
+        self.scheduled = False
+        self._running: int | None = None
+        self._queue: dict[int, tuple[float, int]] = {}  # runnable rank -> (clock, arrival number)
+        self._arrivals = 0
+        self._blocked: dict[int, tuple[Callable[[], bool], Callable[[], float]]] = {}  # rank -> (ready, its clock then)
+        self._scheduling: set[int] = set()  # ranks that called start_schedule
 
     # failure ------------------------------------------------------------
     @property
@@ -128,22 +150,43 @@ class Rendezvous:
         """A rank's code has finished: ranks still waiting for it will never get it."""
         with self.lock:
             self._returned.add(rank)
+            if self.scheduled:
+                self._queue.pop(rank, None)
+                self._blocked.pop(rank, None)
+                if self._running == rank:
+                    self._dispatch()
             for c in self._wake:
                 c.notify_all()
 
-    def wait(self, rank: int, ready: Callable[[], bool], missing: Callable[[], list], what: str) -> None:
+    def wait(self, rank: int, ready: Callable[[], bool], missing: Callable[[], list], what: str,
+             resume: Callable[[], float] | None = None) -> None:
         """Block ``rank`` until ``ready()``; raise instead of hanging. Caller holds ``lock``.
 
         Hangs are found, not timed out: a rank waiting for one that has
         returned, or every live rank waiting with none ready, is a CommError
-        for every rank.
+        for every rank. ``resume()``: the rank's clock once ready (no earlier
+        than its own). In a scheduled world the wait also gives up the turn.
         """
         self._waiting[rank] = (ready, missing, what)
+        scheduled = self.scheduled
+        if scheduled:
+            self._blocked[rank] = (ready, resume or (lambda: self.clock[rank]))
+            if self._running == rank:
+                self._turn_out(rank)
+                self._dispatch()
         try:
             while True:
-                self.raise_if_failed()
-                if ready():
+                # What has completed stays completed, as on MPI: a collective every member joined
+                # returns on every member even when one of them fails right after it.
+                if scheduled:
+                    if self._running == rank:
+                        self._turn_in(rank)
+                        return
+                elif ready():
+                    if resume is not None:
+                        self.clock[rank] = max(self.clock[rank], resume())
                     return
+                self.raise_if_failed()
                 gone = sorted(q for q in missing() if q in self._returned)
                 if gone:
                     raise self._comm_error(
@@ -157,6 +200,81 @@ class Rendezvous:
                 self._wake[rank].wait(self.poll_s)
         finally:
             del self._waiting[rank]
+
+    # simulated time --------------------------------------------------------
+    def advance(self, rank: int, seconds: float) -> None:
+        """Move ``rank``'s clock ``seconds`` on; in a scheduled world, give the turn to whoever is earliest."""
+        with self.lock:
+            self.raise_if_failed()
+            self.clock[rank] += seconds
+            if self.scheduled:
+                self._enqueue(rank)
+                self._dispatch()
+                if self._running != rank:  # another rank is earlier: hand over (we hold the lock until we wait)
+                    self._turn_out(rank)
+                    self._take_turn(rank)
+                    self._turn_in(rank)
+
+    def start_schedule(self, rank: int) -> None:
+        """Collective: from here on one rank runs at a time, earliest clock first (module doc).
+        A world scheduled already (from its start: ``schedule_now``) has nothing to do."""
+        with self.lock:
+            if self.scheduled:
+                return
+            self._scheduling.add(rank)
+            if len(self._scheduling) == self.size:
+                self.schedule_now()
+            else:
+                self.wait(rank, lambda: self.scheduled,
+                          lambda: [r for r in range(self.size) if r not in self._scheduling], "start_schedule")
+            self._take_turn(rank)
+            self._turn_in(rank)
+
+    def schedule_now(self) -> None:
+        """Turn the schedule on: every live rank queued in rank order, the first one's turn (caller holds
+        ``lock``, or no rank runs yet). A rank thread started in a scheduled world first takes its turn."""
+        self.scheduled = True
+        self._running = None
+        for r in range(self.size):  # rank order at equal clocks
+            if r not in self._returned:
+                self._enqueue(r)
+        self._dispatch()
+        self._notify(range(self.size))
+
+    def take_turn(self, rank: int) -> None:
+        """Block until it is ``rank``'s turn (a scheduled world; a rank thread's start)."""
+        with self.lock:
+            self._take_turn(rank)
+            self._turn_in(rank)
+
+    def _turn_out(self, rank: int) -> None:
+        """``rank`` hands its turn on (caller holds ``lock``): a subclass saves what the rank owns."""
+
+    def _turn_in(self, rank: int) -> None:
+        """``rank`` has its turn again (caller holds ``lock``): a subclass puts back what it saved."""
+
+    def _enqueue(self, rank: int) -> None:
+        self._queue[rank] = (self.clock[rank], self._arrivals)
+        self._arrivals += 1
+
+    def _dispatch(self) -> None:
+        """Give the turn to the earliest runnable rank (caller holds ``lock``): first the blocked
+        ranks that can go on join the queue (rank order), at the clock their wait gives them."""
+        for r in sorted(self._blocked):
+            ready, resume = self._blocked[r]
+            if ready():
+                del self._blocked[r]
+                self.clock[r] = max(self.clock[r], resume())
+                self._enqueue(r)
+        self._running = min(self._queue, key=self._queue.__getitem__) if self._queue else None
+        if self._running is not None:
+            del self._queue[self._running]
+            self._wake[self._running].notify_all()
+
+    def _take_turn(self, rank: int) -> None:
+        while self._running != rank:
+            self.raise_if_failed()
+            self._wake[rank].wait(self.poll_s)
 
     def waiting(self) -> list[int]:
         """Ranks blocked in a wait now."""
@@ -202,6 +320,7 @@ class Rendezvous:
                     f"but rank {other} called {slot.kind}{_fmt(slot.detail)}"
                 )
             slot.inputs[rank] = value
+            slot.clocks[rank] = self.clock[rank]
             if len(slot.inputs) == len(members):
                 self._notify(members)
             return slot
@@ -214,6 +333,7 @@ class Rendezvous:
                 lambda: len(slot.inputs) == len(slot.members),
                 lambda: [m for m in slot.members if m not in slot.inputs],
                 slot.kind,
+                lambda: max(slot.clocks.values()),
             )
         with slot.lock:
             if not slot.computed:
@@ -245,6 +365,7 @@ class Rendezvous:
                     f"but rank {other} called {ex.declaration.op}"
                 )
             ex.rows[rank] = declaration.row
+            ex.clocks[rank] = self.clock[rank]
             for dst, payload in sends.items():
                 self._mail[(dst, rank, number)] = payload
             if len(ex.rows) == self.size:
@@ -260,6 +381,7 @@ class Rendezvous:
                 lambda: ex.checked,
                 lambda: [r for r in range(self.size) if r not in ex.rows],
                 ex.declaration.op,
+                lambda: max([self.clock[rank], *(ex.clocks[s] for s in srcs)]),
             )
             ex.received += 1
             if ex.received == self.size:

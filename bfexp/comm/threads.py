@@ -21,11 +21,31 @@ that returned) raises CommError on every rank. ThreadWorld adds the rank
 threads: a rank thread that raises aborts the world, so every rank blocked
 in (or later entering) the engine raises RankAborted naming the failed
 rank, and no thread is left running.
+
+A user's own script (bfexp.api.spawn, ``bfexp-run --engine threads``) also
+uses process-global state that MPI ranks each have alone: torch's default
+generator (``torch.manual_seed``, dropout, a shuffling DataLoader), numpy's
+and Python's global RNGs. ``ThreadWorld(one_at_a_time=True)`` runs one
+rank thread at a time from the start, and a rank hands its turn on only
+where it waits for other ranks (or moves its simulated clock), saving the
+three RNG states when it hands on and restoring its own when it gets the
+turn back. Between two communication calls a rank therefore draws from its
+own streams exactly as an MPI process does, whatever the interleaving, so
+the same seed gives MPI's numbers.
+
+Virtual ranks keep simulated time (bfexp.comm.rendezvous): ``clock_s`` is
+the rank's own clock, ``advance(s)`` moves it on instead of sleeping, and
+``schedule()`` (collective) runs the ranks one at a time in clock order, so
+asynchronous algorithms' window operations happen in the same order on
+every run. Both are ONE turn-keeper, the rendezvous' schedule: the rank
+with the smallest clock runs (equal clocks, and clocks nobody moves: first
+come, first served).
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import sys
 import threading
 import time
@@ -88,6 +108,14 @@ def recursive_doubling_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return level[0]
 
 
+# ------------------------------------------------------------------ one rank at a time
+
+
+def _fresh_rng_states() -> tuple[Any, Any, Any]:
+    """What a new process starts with: torch's default seed; numpy and Python seeded from the OS."""
+    return torch.Generator().get_state(), np.random.RandomState().get_state(), random.Random().getstate()
+
+
 # ------------------------------------------------------------------ the world and its threads
 
 
@@ -95,11 +123,18 @@ class ThreadWorld(Rendezvous):
     """The virtual ranks of one job: their meeting point, and their threads."""
 
     def __init__(
-        self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S, timeline_dir: Path | None = None
+        self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S, timeline_dir: Path | None = None,
+        one_at_a_time: bool = False,
     ) -> None:
         super().__init__(size, ranks_per_machine, poll_s)
         # Each rank's Chrome trace goes to <timeline_dir>/rank<N>.json (else $BFEXP_TIMELINE, as on MPI).
         self.timeline_dir = timeline_dir
+        # Each rank's torch, numpy and Python global RNG states while another rank has the turn (module doc).
+        self._rng_states: dict[int, tuple[Any, Any, Any]] = {}
+        if one_at_a_time:  # a user's script: one rank thread at a time from the start, each with fresh RNGs
+            self._rng_states = {r: _fresh_rng_states() for r in range(size)}
+            with self.lock:
+                self.schedule_now()
         # Rank threads (when started through ``start``) and what they left.
         self.threads: list[threading.Thread] = []
         self.results: dict[int, Any] = {}
@@ -127,6 +162,8 @@ class ThreadWorld(Rendezvous):
         _current.rank = rank
         engine = ThreadsEngine(self, rank)
         try:
+            if self.scheduled:
+                self.take_turn(rank)
             self.results[rank] = target(engine)
         except BaseException as exc:  # noqa: BLE001 - a rank's failure is the job's, whatever it is
             self.errors[rank] = exc
@@ -145,6 +182,16 @@ class ThreadWorld(Rendezvous):
                 engine.timeline.save()
             self.rank_returned(rank)
             _current.rank = None
+
+    def _turn_out(self, rank: int) -> None:
+        self._rng_states[rank] = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+
+    def _turn_in(self, rank: int) -> None:
+        state = self._rng_states.pop(rank, None)
+        if state is not None:
+            torch.set_rng_state(state[0])
+            np.random.set_state(state[1])
+            random.setstate(state[2])
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds in all for every rank thread; True when all have ended."""
@@ -165,14 +212,21 @@ def run_threads(
     target: Callable[["ThreadsEngine"], Any],
     ranks_per_machine: int = 0,
     timeout: float | None = 300.0,
+    scheduled: bool = False,
 ) -> list[Any]:
     """Run ``target(engine)`` on ``size`` virtual ranks; return each rank's result.
 
     Re-raises the lowest rank's own failure (not the RankAborted of the
     others). For scripts and tests; the launcher adds logs and signals.
+    ``scheduled``: every rank first calls ``engine.schedule()`` (clock order).
     """
     world = ThreadWorld(size, ranks_per_machine)
-    world.start(target)
+
+    def scheduled_target(engine: "ThreadsEngine") -> Any:
+        engine.schedule()
+        return target(engine)
+
+    world.start(scheduled_target if scheduled else target)
     if not world.join(timeout):
         world.abort(RankAborted(f"timed out after {timeout} s"))
         world.join(10.0)
@@ -264,6 +318,7 @@ class ThreadsEngine(Engine):
     """One virtual rank's view of a ThreadWorld: the Engine contract, tensors moved in memory."""
 
     name: ClassVar[str] = "threads"
+    time_source: ClassVar[str] = "simulated"
     virtual: ClassVar[bool] = True
     processes: ClassVar[bool] = False
     device_type: ClassVar[str] = "cpu"
@@ -294,6 +349,25 @@ class ThreadsEngine(Engine):
     def size(self) -> int:
         return self.world.size
 
+    # simulated time (bfexp.comm.rendezvous) ------------------------------
+    @property
+    def clock_s(self) -> float:
+        """This virtual rank's simulated clock."""
+        return self.world.clock[self._rank]
+
+    def advance(self, seconds: float) -> None:
+        """``seconds`` of this rank's time pass: its clock moves on (no sleep); a yield point when scheduled."""
+        self.world.advance(self._rank, float(seconds))
+
+    def schedule(self) -> None:
+        """Collective: from now on the world's ranks run one at a time, earliest clock first."""
+        self.world.start_schedule(self._rank)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the ranks take turns in clock order (``schedule``)."""
+        return self.world.scheduled
+
     # plumbing ------------------------------------------------------------
     def _collective(
         self,
@@ -312,7 +386,10 @@ class ThreadsEngine(Engine):
         key = (name, seq)
         world, rank = self.world, self._rank
         slot = world.post_collective(key, kind, detail, members, rank, value)
-        return (lambda: deliver(world.finish_collective(key, slot, rank, compute))), (lambda: world.collective_ready(slot))
+        return (
+            (lambda: deliver(world.finish_collective(key, slot, rank, compute))),
+            (lambda: world.collective_ready(slot)),
+        )
 
     def _exchange(self, declaration: Declaration, sends: dict[int, Any], recv_from: Sequence[int]) -> Pending:
         """Declare, deliver ``sends`` (by global rank); return (receive, ready)."""
@@ -449,6 +526,13 @@ class ThreadsEngine(Engine):
         with source.exclusive():
             into.copy_(source.own)
             return source.weight
+
+    def _win_swap(self, window: Window, peer: int, change: Callable[[torch.Tensor], None]) -> None:
+        target = self.world.window(window.name, peer)
+        with target.exclusive():
+            theirs = target.own.clone()
+            change(theirs)
+            target.own.copy_(theirs)
 
     # lifecycle ----------------------------------------------------------
     def close(self) -> None:

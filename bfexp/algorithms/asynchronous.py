@@ -1,0 +1,47 @@
+"""What the one-sided (asynchronous) rules share: async_push_sum, gossip, ad_psgd.
+
+They have no rounds: a rank never waits for another inside ``step()``, only
+for its own one-sided operations on one window. So no exact average can be
+slipped in every H rounds (``global_average_every`` must stay 0), random
+peer choices come from each rank's own stream (never a global RNG, so
+virtual ranks draw as processes do), and ``close()`` frees the window once.
+Each rule keeps its own collective ``finish()``: what "drained" means is
+the rule's (a push-sum fold, a re-read of the model).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+from bfexp.algorithms.base import DecentralizedOptimizer
+from bfexp.errors import ConfigError
+
+
+class AsynchronousOptimizer(DecentralizedOptimizer):
+    asynchronous: ClassVar[bool] = True
+    window: str  # the rule's window, created in its constructor
+    _closed: bool = False
+
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        super().check_options(**options)
+        every = options.get("global_average_every", 0)
+        if every:
+            raise ConfigError(f"algorithm.global_average_every={every}; allowed: 0, since algorithm={cls.name} "
+                              "never makes the ranks wait for one another")
+        if "seed" in options:
+            seed = options["seed"]
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise ConfigError(f"algorithm.seed={seed!r}; allowed: an integer >= 0")
+
+    def peer_stream(self, seed: int) -> random.Random:
+        """This rank's own stream of peer choices: the same on MPI and virtual ranks."""
+        return random.Random(1_000_003 * int(seed) + self.engine.rank)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        self._closed = True
+        self.engine.win_free(self.window)

@@ -1,0 +1,159 @@
+"""Heterogeneous ranks as config (conf/heterogeneity/): stragglers that compute slower.
+
+Decentralized and asynchronous training exist for clusters where some
+machines are slow; this makes chosen ranks slow, reproducibly. A slow rank's
+step costs
+
+    compute * factor + delay + pause
+
+where ``compute`` is the step's compute time, ``delay`` a random per-step
+delay (constant, uniform on [0, 2 * delay_s] or exponential with mean
+``delay_s``) and ``pause`` an occasional long pause (``pause_s`` with
+probability ``pause_probability`` each step). Draws come from a generator
+seeded by (seed, rank, step): the same seed gives the same delays on every
+engine, and a resumed run draws what the uninterrupted one would have.
+
+How the cost is paid depends on the ranks (``Engine.advance``), at the
+START of each training step, before the forward pass, so whatever a slow
+rank sends during its step leaves late:
+
+* real ranks (mpi, nccl): the rank sleeps ``compute * (factor - 1) + delay +
+  pause``, with ``compute`` the forward and backward its previous step
+  measured (the real compute is paid by computing);
+* virtual ranks (threads): nothing sleeps; the rank's simulated clock moves
+  on by the whole cost, with ``compute`` = ``step_time_s`` (default 10 ms:
+  the same on any host, so asynchronous runs are reproducible), or with
+  ``step_time_s=null`` the previous step's measured forward and backward
+  (host-dependent: threads share the cores).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from bfexp.errors import ConfigError
+
+__all__ = ["Heterogeneity", "Pace"]
+
+Delay = Literal["none", "constant", "uniform", "exponential"]
+DELAYS: tuple[str, ...] = ("none", "constant", "uniform", "exponential")
+
+
+def _number(key: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
+    if not ok:
+        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+        raise ConfigError(f"heterogeneity.{key}={value}; allowed: a number {bound}")
+    return float(value)
+
+
+class Heterogeneity:
+    """Which ranks are slow and how (the constructor is conf/heterogeneity/*.yaml's schema).
+
+    A rank listed in ``slow_ranks`` beyond a job's ranks slows nothing (a sweep over
+    ``ranks`` may share one setting), as ``fail_rank`` does.
+    """
+
+    name: ClassVar[str] = "heterogeneity"
+
+    def __init__(
+        self,
+        slow_ranks: list[int] = (),  # type: ignore[assignment]
+        factor: float = 1.0,
+        delay: Delay = "none",
+        delay_s: float = 0.0,
+        pause_probability: float = 0.0,
+        pause_s: float = 0.0,
+        step_time_s: float | None = 0.01,
+        seed: int | None = None,
+    ) -> None:
+        ranks = list(slow_ranks)
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise ConfigError(f"heterogeneity.slow_ranks={ranks}; allowed: a list of ranks (integers >= 0)")
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"heterogeneity.slow_ranks={ranks}; allowed: each rank once")
+        if delay not in DELAYS:
+            raise ConfigError(f"heterogeneity.delay={delay!r}; allowed: {', '.join(DELAYS)}")
+        self.slow_ranks = sorted(ranks)
+        self.factor = _number("factor", factor, 1.0)
+        self.delay = delay
+        self.delay_s = _number("delay_s", delay_s, 0.0)
+        if delay != "none" and self.delay_s == 0:
+            raise ConfigError(f"heterogeneity.delay_s={delay_s} with heterogeneity.delay={delay}; "
+                              "allowed: a number > 0")
+        self.pause_probability = _number("pause_probability", pause_probability, 0.0, 1.0)
+        self.pause_s = _number("pause_s", pause_s, 0.0)
+        self.step_time_s = None if step_time_s is None else _number("step_time_s", step_time_s, 0.0, low_open=True)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f"heterogeneity.seed={seed}; allowed: an integer >= 0 or null (the run's seed)")
+        self.seed = seed
+
+    @property
+    def active(self) -> bool:
+        """Whether any rank is slowed at all."""
+        return bool(self.slow_ranks) and (
+            self.factor > 1 or self.delay != "none" or (self.pause_probability > 0 and self.pause_s > 0))
+
+    def describe(self) -> dict:
+        """What the summary records: every setting, and whether any rank is slowed."""
+        return {"slow_ranks": list(self.slow_ranks), "factor": self.factor, "delay": self.delay,
+                "delay_s": self.delay_s, "pause_probability": self.pause_probability, "pause_s": self.pause_s,
+                "step_time_s": self.step_time_s, "active": self.active}
+
+    def extra_s(self, rank: int, step: int, compute_s: float, seed: int) -> float:
+        """What a step of ``rank`` costs beyond ``compute_s``: 0 for a rank that is not slow."""
+        if rank not in self.slow_ranks:
+            return 0.0
+        rng = np.random.default_rng([self.seed if self.seed is not None else seed, rank, step])
+        draw, pause_draw = rng.random(2)  # always two draws: one setting does not shift the other's stream
+        extra = compute_s * (self.factor - 1.0)
+        if self.delay == "constant":
+            extra += self.delay_s
+        elif self.delay == "uniform":
+            extra += 2.0 * self.delay_s * draw
+        elif self.delay == "exponential":
+            extra += -self.delay_s * float(np.log1p(-draw))
+        if pause_draw < self.pause_probability:
+            extra += self.pause_s
+        return extra
+
+    def pace(self, engine: Any, seed: int, first_step: int = 1) -> "Pace":
+        """This rank's pacing of its training steps, from step ``first_step`` on."""
+        return Pace(self, engine, seed, first_step)
+
+
+class Pace:
+    """One rank's straggler cost, paid at the start of each training step (``before_step``);
+    ``computed`` tells it what the step's forward and backward took."""
+
+    def __init__(self, heterogeneity: Heterogeneity, engine: Any, seed: int, first_step: int = 1) -> None:
+        self.heterogeneity = heterogeneity
+        self.engine = engine
+        self.seed = int(seed)
+        self.step = int(first_step)
+        self.simulated = getattr(engine, "time_source", "measured") == "simulated"
+        self.measured_s = 0.0  # the previous step's forward and backward
+
+    def before_step(self) -> float:
+        """Pay this step's cost (module doc); returns the seconds the rank's time moved on."""
+        h = self.heterogeneity
+        compute = h.step_time_s if (self.simulated and h.step_time_s is not None) else self.measured_s
+        extra = h.extra_s(self.engine.rank, self.step, compute, self.seed)
+        self.step += 1
+        cost = compute + extra if self.simulated else extra
+        if cost > 0 or self.simulated:
+            self.engine.advance(cost)
+        return cost
+
+    def computed(self, seconds: float) -> None:
+        """After backward, before ``step()``: remember the compute time; on virtual ranks also a
+        zero-time yield, so that at one clock every rank has finished computing (and folded what
+        arrived, at the step's start) before any rank's ``step()`` pushes: with equal step times an
+        asynchronous rule then runs in synchronous rounds."""
+        self.measured_s = float(seconds)
+        if self.simulated:
+            self.engine.advance(0.0)

@@ -1,0 +1,81 @@
+"""Evaluation that does not dominate: eval_every, the budgeted default, eval_subset, and the
+evaluation time reported apart from the training time; `bfexp --verbose` shows where the wall time went.
+(The consensus distance, a training figure, is logged at every logged step.)
+
+Virtual ranks (engine=threads): the worker's loop is the same code on every engine.
+References are independent of the code under test: which steps must carry evaluated
+figures follows from the options alone (multiples of eval_every and the last step; the
+two extreme budgets), and an accuracy on a subset of N held-out samples averaged over R
+ranks is a multiple of 1 / (N R).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+from bfexp import results
+from bfexp.progress import print_summary
+
+SMALL = ["engine=threads", "ranks=2", "logger=jsonl", "baseline_steps=0", "scaling.reference_steps=1"]
+EVALUATED = ("eval_loss", "accuracy")
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / results.METRICS).read_text().splitlines()]
+
+
+def evaluated_steps(run: Path) -> list[int]:
+    out = []
+    for r in records(run):
+        present = [r[k] is not None for k in EVALUATED]
+        assert all(present) or not any(present), f"step {r['step']}: evaluated figures come together: {r}"
+        if all(present):
+            out.append(r["step"])
+    return out
+
+
+def test_eval_every_and_subset_run_small_with_eval_time_apart(bfexp):
+    proc = bfexp(*SMALL, "steps=14", "log_every=4", "eval_every=6", "eval_subset=50", "--verbose",
+                 "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    run = bfexp.cwd / "run"
+    # Records at every logged step (4, 8, 12), every evaluation (6, 12) and the last step (14).
+    assert [r["step"] for r in records(run)] == [4, 6, 8, 12, 14]
+    assert evaluated_steps(run) == [6, 12, 14]
+    for r in records(run):
+        assert r["consensus_distance"] is not None and r["consensus_distance"] >= 0
+        if r["accuracy"] is not None:  # mean over 2 ranks of correct / 50
+            assert math.isclose(r["accuracy"] * 100, round(r["accuracy"] * 100), abs_tol=1e-9), r["accuracy"]
+    summary = json.loads((run / results.SUMMARY).read_text())
+    assert summary["evaluations"] == 3 and summary["eval_every"] == 6
+    assert summary["eval_time_s"] > 0 and summary["train_time_s"] > 0
+    assert summary["final_accuracy"] == records(run)[-1]["accuracy"]
+    # The job's table shows both times; --verbose, where the wall time went.
+    assert "training time (s)" in proc.stdout and "evaluation time (s)" in proc.stdout
+    assert "where the wall time went" in proc.stdout and "dry build" in proc.stdout
+
+
+def test_budget_spaces_evaluations_in_multiples_of_log_every(bfexp):
+    # A budget nothing fits: the first logged step measures, then only the last evaluates.
+    # A budget everything fits: every logged step evaluates.
+    proc = bfexp("-m", *SMALL, "steps=12", "log_every=3", "eval_budget=1e-12,1e12", "hydra.sweep.dir=sweep",
+                 "report=false")
+    assert proc.returncode == 0, proc.stderr
+    runs = {json.loads((p / results.SUMMARY).read_text())["eval_every"]: p
+            for p in (bfexp.cwd / "sweep").iterdir() if (p / results.SUMMARY).exists()}
+    assert len(runs) == 2, runs
+    tight, loose = runs[max(runs)], runs[min(runs)]
+    assert evaluated_steps(tight) == [3, 12] and max(runs) % 3 == 0 and max(runs) > 12
+    assert evaluated_steps(loose) == [3, 6, 9, 12] and min(runs) == 3
+
+
+def test_the_job_table_shows_training_and_evaluation_time(capsys):
+    summary = {"algorithm": "dsgd", "topology": "exp2", "ranks": 2, "engine": "threads", "status": "completed",
+               "train_time_s": 1.25, "eval_time_s": 0.125}
+    print_summary(summary, "somewhere")
+    out = capsys.readouterr().out
+    assert "training time (s)" in out and "1.25" in out
+    assert "evaluation time (s)" in out and "0.125" in out
