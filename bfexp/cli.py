@@ -492,4 +492,9 @@ def command(args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m bfexp.cli`: run the imported module, not this __main__ copy of it. Hydra's callback
+    # (RunFolders) is bfexp.cli's; with two copies it would note the run folder where a signal
+    # before the job's code (interrupted_early) cannot see it, and no summary would be written.
+    import bfexp.cli
+
+    bfexp.cli.main()

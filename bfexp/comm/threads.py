@@ -357,11 +357,16 @@ class ThreadsEngine(Engine):
 
     def advance(self, seconds: float) -> None:
         """``seconds`` of this rank's time pass: its clock moves on (no sleep); a yield point when scheduled."""
+        if self.size == 1:  # nobody to yield to or to race with: just the clock
+            self.world.clock[0] += seconds
+            return
         self.world.advance(self._rank, float(seconds))
 
     def schedule(self) -> None:
-        """Collective: from now on the world's ranks run one at a time, earliest clock first."""
-        self.world.start_schedule(self._rank)
+        """Collective: from now on the world's ranks run one at a time, earliest clock first.
+        One rank has nobody to take turns with: its clock still moves, nothing is scheduled."""
+        if self.size > 1:
+            self.world.start_schedule(self._rank)
 
     @property
     def scheduled(self) -> bool:
