@@ -12,12 +12,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# bfexp.api's public names (tests/test_api.py checks this is its __all__). Only these load it:
-# any other name (a submodule Hydra or pickle looks up) stays an AttributeError without importing torch.
-_API = frozenset({
-    "DistributedOptimizer", "OPERATIONS", "broadcast_optimizer_state", "broadcast_parameters", "engine", "init",
-    "is_initialized", "local_rank", "local_size", "machine_rank", "machine_size", "rank", "shard", "shutdown",
-    "size", "spawn",
+# Every Engine operation that ``bf.<name>`` runs on the current engine (bfexp.api makes the functions).
+# Listed here, not in bfexp.api, so that this module can answer for them without importing torch.
+OPERATIONS = (
     "allreduce", "allreduce_", "iallreduce", "iallreduce_", "allgather", "iallgather",
     "broadcast", "broadcast_", "ibroadcast", "ibroadcast_", "barrier", "ibarrier",
     "neighbor_allreduce", "neighbor_allreduce_", "ineighbor_allreduce", "ineighbor_allreduce_",
@@ -27,6 +24,13 @@ _API = frozenset({
     "win_create", "win_free", "win_tensor", "win_weight",
     "win_put", "iwin_put", "win_accumulate", "iwin_accumulate", "win_get", "iwin_get", "win_update", "iwin_update",
     "set_topology", "set_machine_topology",
+)
+# bfexp.api's public names (tests/test_api.py checks this is its __all__). Only these load it:
+# any other name (a submodule Hydra or pickle looks up) stays an AttributeError without importing torch.
+_API = frozenset({
+    "DistributedOptimizer", "OPERATIONS", "broadcast_optimizer_state", "broadcast_parameters", "engine", "init",
+    "is_initialized", "local_rank", "local_size", "machine_rank", "machine_size", "rank", "shard", "shutdown",
+    "size", "spawn", *OPERATIONS,
 })
 
 

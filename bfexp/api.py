@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 import numpy as np
 import torch
 
+from bfexp import OPERATIONS  # the package lists them, so that `import bfexp` needs no torch
 from bfexp.comm.engine import Engine
 from bfexp.errors import ConfigError
 
@@ -197,20 +198,7 @@ def machine_size() -> int:
 
 # ------------------------------------------------------------------ the engine's operations
 
-# Every Engine operation, as a function on the current engine (same arguments; see bfexp.comm.engine).
-OPERATIONS = (
-    "allreduce", "allreduce_", "iallreduce", "iallreduce_",
-    "allgather", "iallgather",
-    "broadcast", "broadcast_", "ibroadcast", "ibroadcast_",
-    "barrier", "ibarrier",
-    "neighbor_allreduce", "neighbor_allreduce_", "ineighbor_allreduce", "ineighbor_allreduce_",
-    "neighbor_allgather", "ineighbor_allgather",
-    "hierarchical_neighbor_allreduce", "hierarchical_neighbor_allreduce_",
-    "ihierarchical_neighbor_allreduce", "ihierarchical_neighbor_allreduce_",
-    "win_create", "win_free", "win_tensor", "win_weight",
-    "win_put", "iwin_put", "win_accumulate", "iwin_accumulate", "win_get", "iwin_get", "win_update", "iwin_update",
-    "set_topology", "set_machine_topology",
-)
+# Every Engine operation (bfexp.OPERATIONS), as a function on the current engine (same arguments).
 
 
 def _operation(name: str) -> Callable[..., Any]:
