@@ -85,7 +85,7 @@ class ADPSGD(AsynchronousOptimizer):
             peer = self._rng.choice(self.peers)
             self._inflight = self.engine.iwin_exchange(self.window, peer, average_pair_)
 
-    def _settle(self) -> None:
+    def _averaging_done(self) -> None:
         if self._inflight is not None:
             self.wait(self._inflight)
             self._inflight = None
@@ -95,19 +95,13 @@ class ADPSGD(AsynchronousOptimizer):
         step = self.local_update()  # -a g at x^, the model as read
         if not self.overlap:
             self._start_averaging()
-        self._settle()
+        self._averaging_done()
         with self.engine.win_lock(self.window):
             self.model.add_(step.to(self.model.device))  # window memory: on the host for engine=nccl
             self.flat.copy_(self.model)  # the next x^
 
-    def finish(self) -> None:
-        """Collective: this rank's averaging completes, then every rank's (a barrier); the model is re-read."""
-        if self._closed:
-            return
-        self._settle()
-        self.engine.barrier()
-        with self.engine.win_lock(self.window):
-            self.flat.copy_(self.model)
+    def drain(self) -> None:
+        self._averaging_done()
 
     # checkpoints: drained first (collective: every rank checkpoints at the same step) --------------
     def state_dict(self) -> dict:

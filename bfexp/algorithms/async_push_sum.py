@@ -135,13 +135,11 @@ class AsyncPushSum(AsynchronousOptimizer):
             self.wait(handle)
         self._pending = []
 
-    def finish(self) -> None:
-        """Collective: every push lands (own ops waited, then a barrier), then fold and de-bias."""
-        if self._closed:
-            return
+    def drain(self) -> None:
         self._wait_pending()
-        self.engine.barrier()
-        self.begin_iteration()
+
+    def settle(self) -> None:
+        self.begin_iteration()  # every push has landed: fold them in and de-bias
 
     # checkpoints: drained first (collective, as every rank checkpoints at the same step), then exact ------
     def state_dict(self) -> dict:

@@ -5,8 +5,10 @@ for its own one-sided operations on one window. So no exact average can be
 slipped in every H rounds (``global_average_every`` must stay 0), random
 peer choices come from each rank's own stream (never a global RNG, so
 virtual ranks draw as processes do), and ``close()`` frees the window once.
-Each rule keeps its own collective ``finish()``: what "drained" means is
-the rule's (a push-sum fold, a re-read of the model).
+``finish()`` is collective and the same for all: this rank's own one-sided
+operations complete (``drain``, the rule's), every rank meets at a barrier
+(so every operation has landed), then the rule settles its model
+(``settle``: by default a re-read of the window's model; push-sum folds).
 """
 
 from __future__ import annotations
@@ -38,6 +40,24 @@ class AsynchronousOptimizer(DecentralizedOptimizer):
     def peer_stream(self, seed: int) -> random.Random:
         """This rank's own stream of peer choices: the same on MPI and virtual ranks."""
         return random.Random(1_000_003 * int(seed) + self.engine.rank)
+
+    def drain(self) -> None:
+        """Complete this rank's own one-sided operations in flight (never waits for a peer)."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """After every rank's operations have landed: the model the rule evaluates and trains from.
+        Default: the window's copy of the model (``self.model``), read whole under the window's lock."""
+        with self.engine.win_lock(self.window):
+            self.flat.copy_(self.model)
+
+    def finish(self) -> None:
+        """Collective: own operations complete, every rank's (a barrier), then the model is settled."""
+        if self._closed:
+            return
+        self.drain()
+        self.engine.barrier()
+        self.settle()
 
     def close(self) -> None:
         if self._closed:

@@ -198,14 +198,8 @@ class Gossip(AsynchronousOptimizer):
             self.exchange_log.append((before[0][:n], before[1][:n], mine[:n].clone(), theirs[:n].clone()))
 
     # stopping -------------------------------------------------------------
-    def finish(self) -> None:
-        """Collective: this rank's exchange completes, then every rank's (a barrier); the model is re-read."""
-        if self._closed:
-            return
+    def drain(self) -> None:
         self._poll(wait=True)
-        self.engine.barrier()
-        with self.engine.win_lock(self.window):
-            self.flat.copy_(self.model)
 
     # checkpoints: drained first (collective: every rank checkpoints at the same step) --------------
     def state_dict(self) -> dict:
