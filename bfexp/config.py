@@ -342,8 +342,8 @@ class ScalingConfig:
     # paired with a plain torch step; measured rounds are interleaved with training.
     reference_steps: int = 30
     # cached: reuse a reference of the same key taken at a load average within
-    # reference_load_margin of now (a 1-rank job, its own reference, always measures
-    # and refreshes the cache); fresh: measure it in every job.
+    # reference_load_margin of now (a 1-rank job is its own reference: its own steps,
+    # stored for the larger jobs); fresh: measure it in every job.
     reference: str = "cached"
     # Runnable processes (1-minute load average) the load may have moved since a cached reference
     # (on a shared machine the load swings by a few all the time; re-measuring stalls every rank).

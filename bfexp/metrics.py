@@ -125,6 +125,7 @@ class StepTimer:
     window: list = field(default_factory=list)
     step_samples: list = field(default_factory=list)  # seconds per timed step
     blocked_samples: list = field(default_factory=list)  # seconds each timed step was blocked in the engine
+    last_s: float | None = None  # the latest step's seconds, warm-up or not
     _t0: float = 0.0
     _c0: float = 0.0
 
@@ -138,6 +139,7 @@ class StepTimer:
         if self.cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - self._t0
+        self.last_s = dt
         self.window.append(dt)
         self.steps += 1
         if self.steps > self.warmup:

@@ -31,7 +31,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -181,24 +181,37 @@ class SingleRankReference:
 
     ``policy`` cached reuses the cache's reference of ``key`` unless the load
     average has moved by more than ``margin`` since it was taken; fresh
-    measures. A job that itself runs on one rank (``job_alone``) always
     measures: it is its own reference, measured beside its own steps at no
     cost to other ranks, and it refreshes the cache for the jobs on more ranks.
+
+    ``own_steps`` (a 1-rank job whose steps run at the reference's threads and
+    pace): the job's own timed training steps are the wrapper's samples, passed
+    to ``finish``; rounds time only plain steps, each paired with the training
+    step it follows (``after_step``'s ``step_s``) for the framework overhead.
+    The job then scores efficiency 1 by definition, with its steps' interval,
+    instead of against a second copy of its model timed in between (which
+    differed from the job's own steps by up to 10% on a 0.2 ms step here:
+    caches and allocator state, not scaling).
     """
 
     def __init__(self, engine: Engine, step: StepFunction, *, alone: Factory, plain: Factory,
                  next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], key: dict, directory: Path | None,
                  policy: str, margin: float, rounds: int, threads: int, steps: int = 0, first: int = 1,
-                 job_alone: bool = False) -> None:
+                 job_alone: bool = False, own_steps: bool = False) -> None:
         self.engine, self.step, self.alone, self.plain, self.next_batch = engine, step, alone, plain, next_batch
         self.key, self.directory, self.policy, self.margin = key, directory, policy, margin
-        self.threads, self.job_alone = threads, job_alone
-        # training step -> what to time after it (pairs in alternating order: plain, wrapper, wrapper, plain, ...)
-        turns = [which for k in range(rounds) for which in (("plain", "wrapper"), ("wrapper", "plain"))[k % 2]]
+        self.threads, self.job_alone = threads, job_alone or own_steps
+        self.own = own_steps and steps >= first and torch.get_num_threads() == threads
+        # training step -> what to time after it (pairs in alternating order: plain, wrapper, wrapper, plain, ...;
+        # with the job's own steps as the wrapper's, plain steps alone)
+        pairs = [which for k in range(rounds) for which in (("plain", "wrapper"), ("wrapper", "plain"))[k % 2]]
+        turns = ["plain"] * rounds if self.own else pairs
         self.schedule: dict[int, list[str]] = {}
         for k, which in enumerate(turns if steps >= first else []):
             self.schedule.setdefault(first + k * (steps - first + 1) // len(turns), []).append(which)
-        self.left = turns if steps < first else []  # for ``finish``
+        self.pairs = pairs
+        self.left = pairs if steps < first else []  # for ``finish``
+        self.own_samples: list[float] = []
         self.measuring = False
         self.cached: dict | None = None
         self.refreshed: str | None = None
@@ -225,12 +238,23 @@ class SingleRankReference:
             flag[0] = 0.0 if self.cached else 1.0
         self.measuring = bool(self.engine.broadcast(flag, 0)[0] > 0)
 
-    def after_step(self, step: int) -> None:
-        """After a training step: on its turn, rank 0 times a reference step while the others sleep."""
-        self._take(self.schedule.pop(step, []))
+    def after_step(self, step: int, step_s: float | None = None) -> None:
+        """After a training step (``step_s``: its time): on its turn, rank 0 times a reference step
+        while the others sleep."""
+        turn = self.schedule.pop(step, [])
+        if self.own and self.measuring and turn and step_s is not None and self.engine.rank == 0:
+            self.samples["wrapper"].extend([step_s] * len(turn))  # the training step each plain round pairs with
+        self._take(turn)
 
-    def finish(self) -> dict:
-        """The reference record (the summary's ``reference``), the same on every rank."""
+    def finish(self, own_steps: Sequence[float] = ()) -> dict:
+        """The reference record (the summary's ``reference``), the same on every rank. ``own_steps``:
+        the job's timed training steps (used with ``own_steps=True``)."""
+        if self.own and own_steps:
+            self.own_samples = list(own_steps)
+            self.schedule.clear()  # rounds training did not reach: the overhead pairs it did reach suffice
+        elif self.own:  # no timed steps after all (a run stopped early): time the wrapper too
+            self.own, self.samples, self.left, self._built = False, {"wrapper": [], "plain": []}, self.pairs, None
+            self.schedule.clear()
         # What training did not reach (a short, resumed or diverged run): in rounds, order kept.
         self._take(self.left + [which for turn in self.schedule.values() for which in turn])
         self.schedule.clear()
@@ -256,9 +280,10 @@ class SingleRankReference:
                 torch.set_num_threads(self.threads)
             try:
                 if self._built is None:
-                    self._built = {"wrapper": self.alone(), "plain": self.plain()}
+                    kinds = ("plain",) if self.own else ("plain", "wrapper")
+                    self._built = {which: (self.alone if which == "wrapper" else self.plain)() for which in kinds}
                     for _ in range(WARMUP_ROUNDS):
-                        for which in ("plain", "wrapper"):
+                        for which in kinds:
                             self._time(which)
                 for which in turn:
                     if switch:  # threads that slept through the job's steps wake up in an untimed step
@@ -270,11 +295,13 @@ class SingleRankReference:
         quiet_barrier(self.engine)
 
     def _measured(self) -> dict:
-        record = scaling.reference_figures(self.samples["wrapper"], self.samples["plain"])
+        record = scaling.reference_figures(self.samples["wrapper"], self.samples["plain"], self.own_samples or None)
         record.update({
             "source": "measured",
+            "wrapper_steps": "the job's own training steps" if self.own_samples else "timed rounds",
+            "steps": len(self.own_samples or self.samples["wrapper"]),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "rounds": len(self.samples["wrapper"]),
+            "rounds": len(self.samples["plain"]),
             "threads": self.threads,
             "load_average_1min": self.load_now,
             "load_at_end_1min": load_average(),

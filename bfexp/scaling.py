@@ -7,7 +7,7 @@ Definitions (README "Scaling"):
   where the single-rank throughput is the SAME step (the worker's
   train_step, the same algorithm wrapper, model, batch, dtype, device) on
   ONE rank, where every communication op takes the engine's single-rank
-  path: a 1-rank job is its own reference and scores 1 up to noise;
+  path: a 1-rank job is its own reference (its own steps) and scores 1;
 * framework_overhead_fraction = that 1-rank step / a plain torch step of
   the same model and batch - 1 (the wrapper's cost, shown on its own
   instead of inside efficiency);
@@ -380,12 +380,14 @@ def measured_figures(ranks: int, batch: int, timing: dict, single_step: Spread |
     return out
 
 
-def reference_figures(wrapper_s: Sequence[float], plain_s: Sequence[float]) -> dict:
+def reference_figures(wrapper_s: Sequence[float], plain_s: Sequence[float],
+                      step_s: Sequence[float] | None = None) -> dict:
     """The single-rank reference from its paired rounds: the step with the job's wrapper, a plain
     torch step, and framework_overhead_fraction = wrapper / plain - 1 per round (paired rounds
-    see the same load, so their ratio is steadier than either time)."""
+    see the same load, so their ratio is steadier than either time). ``step_s``: every step of
+    a 1-rank job, its own reference (``wrapper_s`` then holds the steps the plain rounds followed)."""
     out: dict[str, Any] = {}
-    put(out, "step_time_s", spread_of(wrapper_s))
+    put(out, "step_time_s", spread_of(step_s if step_s else wrapper_s))
     put(out, "plain_step_time_s", spread_of(plain_s))
     put(out, "framework_overhead_fraction", spread_of([w / p - 1.0 for w, p in zip(wrapper_s, plain_s) if p > 0]))
     return out

@@ -201,9 +201,12 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
     steps = total_steps(cfg, data.global_train_size, size)
     timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
-    # The single-rank reference: from the cache, or measured in rounds between the timed training steps.
+    # Stragglers (bfexp.heterogeneity): a rank's extra time per step, or its simulated compute time.
+    heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
+    # The single-rank reference: from the cache, or measured in rounds between the timed training steps
+    # (a 1-rank job at an even pace is its own: its steps are the reference's).
     single = reference(cfg, engine, job, BatchSampler(data, cfg.batch_size, cfg.seed + 1, rank).next,
-                       steps=steps, first=timer.warmup + 1)
+                       steps=steps, first=timer.warmup + 1, own_steps=size == 1 and not heterogeneity.active)
     mark(engine, "single-rank reference: cache look-up")
     test_x, test_y = held_out(data.test_x.to(job.device, job.dtype), data.test_y.to(job.device), cfg.get("eval_subset"))
     metrics_path = run_dir / results.METRICS
@@ -222,8 +225,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     evals = EvalSchedule(cfg.get("eval_every"), cfg.get("eval_budget", 0.1), cfg.log_every, len(test_y), sampler.batch_size)
     evals.time_s, last_eval = resumed.get("eval_time_s", 0.0), resumed.get("last_eval", {})
     # Time to accuracy: this rank's training time, simulated (virtual ranks' clocks) or measured
-    # (wall seconds inside its training steps, straggler sleeps included); stragglers (bfexp.heterogeneity).
-    heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
+    # (wall seconds inside its training steps, straggler sleeps included).
     pace = heterogeneity.pace(engine, int(cfg.seed), first_step=resumed["step"] + 1)
     clock = TrainClock(engine, resumed.get("time_s", 0.0))
 
@@ -249,7 +251,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
         bytes_sent += engine.bytes_sent - sent_before
         interval_loss += float(loss.detach())
         interval_n += 1
-        single.after_step(step)
+        single.after_step(step, timer.last_s)
         if not evals.logs(step, steps):
             if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state()):  # checkpoint_every
                 status, error = "interrupted", stopped(step)
@@ -331,7 +333,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     if status == "interrupted":  # stopped to be resumed: the run that finishes it measures the figures
         summary["checkpoint_step"] = step
     else:
-        summary.update(job_figures(cfg, engine, job, sampler.batch_size, timer, single.finish()))
+        summary.update(job_figures(cfg, engine, job, sampler.batch_size, timer, single.finish(timer.step_samples)))
         mark(engine, "scaling figures: reference rounds left, baseline probe")
     optimizer.close()
     summary["wall_time_s"] = time.perf_counter() - started
@@ -406,10 +408,11 @@ def one_rank(cfg: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict
 
 
 def reference(cfg: Any, engine: Engine, job: Built, batches: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-              steps: int = 0, first: int = 1) -> probes.SingleRankReference:
+              steps: int = 0, first: int = 1, own_steps: bool = False) -> probes.SingleRankReference:
     """This job's single-rank reference, started (rank 0 has looked in the cache); measured rounds go
     between training steps ``first`` to ``steps``, the rest at ``finish``. ``batches`` gives a new
-    mini-batch per call, as training's sampler does. Collective."""
+    mini-batch per call, as training's sampler does. ``own_steps``: the job's own steps are the
+    wrapper's samples (probes.SingleRankReference). Collective."""
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         bx, by = batches()
@@ -431,7 +434,7 @@ def reference(cfg: Any, engine: Engine, job: Built, batches: Callable[[], tuple[
         engine, train_step, alone=alone, plain=plain, next_batch=next_batch, key=key,
         directory=probes.cache_dir(cfg.scaling.reference_cache), policy=str(cfg.scaling.reference),
         margin=float(cfg.scaling.reference_load_margin), rounds=int(cfg.scaling.reference_steps), threads=threads,
-        steps=steps, first=first, job_alone=engine.size == 1,
+        steps=steps, first=first, job_alone=engine.size == 1, own_steps=own_steps,
     )
     single.start()
     return single

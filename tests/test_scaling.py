@@ -142,7 +142,7 @@ def test_reference_cache_survives_concurrent_writers(tmp_path):
     assert probes.cache_dir(None) is None and probes.cache_dir(str(tmp_path)) == tmp_path
 
 
-def one_rank_reference(directory, policy="cached", margin=1.0, rounds=4, steps=10):
+def one_rank_reference(directory, policy="cached", margin=1.0, rounds=4, steps=10, own_steps=False):
     """A SingleRankReference of a small linear model on a real 1-rank engine (virtual ranks)."""
     from bfexp.algorithms import DSGD
     from bfexp.comm.threads import ThreadsEngine, ThreadWorld
@@ -169,7 +169,8 @@ def one_rank_reference(directory, policy="cached", margin=1.0, rounds=4, steps=1
     return probes.SingleRankReference(
         engine, train_step, alone=alone, plain=plain,
         next_batch=lambda: (torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)),
-        key=key, directory=directory, policy=policy, margin=margin, rounds=rounds, threads=1, steps=steps, first=2)
+        key=key, directory=directory, policy=policy, margin=margin, rounds=rounds, threads=torch.get_num_threads() if own_steps else 1,
+        steps=steps, first=2, own_steps=own_steps)
 
 
 def test_reference_rounds_go_between_training_steps_and_are_cached(tmp_path):
@@ -199,6 +200,32 @@ def test_reference_rounds_go_between_training_steps_and_are_cached(tmp_path):
     fresh.start()
     record = fresh.finish()
     assert record["source"] == "measured" and record["refreshed"] == "scaling.reference=fresh" and record["rounds"] == 4
+
+
+def test_a_one_rank_job_is_its_own_reference(tmp_path):
+    """own_steps: the job's timed steps are the wrapper's samples (the reference step time is their
+    median); rounds time plain steps only, each paired with the training step it followed."""
+    ref = one_rank_reference(tmp_path, rounds=3, steps=10, own_steps=True)
+    ref.start()
+    assert ref.measuring and sorted(w for turn in ref.schedule.values() for w in turn) == ["plain"] * 3
+    job_steps = {step: 0.001 * step for step in range(1, 11)}  # the training steps' times, made up
+    after = [step for step in range(1, 11) if ref.schedule.get(step)]
+    for step in range(1, 11):
+        ref.after_step(step, job_steps[step])
+    assert ref.samples["wrapper"] == [job_steps[s] for s in after] and len(ref.samples["plain"]) == 3
+    own = [job_steps[s] for s in range(2, 11)]
+    record = ref.finish(own)
+    assert record["wrapper_steps"] == "the job's own training steps" and record["steps"] == 9 and record["rounds"] == 3
+    assert record["step_time_s"] == statistics.median(own)
+    overhead = statistics.median(w / p - 1 for w, p in zip(ref.samples["wrapper"], ref.samples["plain"]))
+    assert record["framework_overhead_fraction"] == pytest.approx(overhead, rel=1e-12)
+    assert record["plain_step_time_s"] == statistics.median(ref.samples["plain"])
+
+    # a run with no timed steps after all: the wrapper is timed in rounds, as for a larger job
+    short = one_rank_reference(tmp_path, policy="fresh", rounds=2, steps=10, own_steps=True)
+    short.start()
+    record = short.finish([])
+    assert record["wrapper_steps"] == "timed rounds" and len(short.samples["wrapper"]) == len(short.samples["plain"]) == 2
 
 
 def test_reference_cached_at_another_load_is_measured_again(tmp_path):
@@ -316,8 +343,9 @@ def test_scaling_sweep_on_the_default_experiment(bfexp, tmp_path):
 
 
 def test_one_rank_jobs_of_every_algorithm_score_one(bfexp, monkeypatch, tmp_path):
-    """ranks=1 at the defaults: the reference is the same step on one rank, so every algorithm scores
-    1 up to noise. The median of three repeats (seeds) per algorithm, on this shared machine."""
+    """ranks=1 at the defaults: a 1-rank job is its own reference (its own training steps, same
+    wrapper, same engine), so every algorithm scores 1 with its steps' interval, and its framework
+    overhead is measured against plain torch steps timed between its own. Three repeats (seeds)."""
     monkeypatch.setenv("BFEXP_CACHE_DIR", str(tmp_path / "cache"))
     algorithms = sorted(group_options("algorithm"))
     # One rank in the driver's process (virtual) for every wrapper that runs there, one MPI process for ddp
@@ -335,6 +363,11 @@ def test_one_rank_jobs_of_every_algorithm_score_one(bfexp, monkeypatch, tmp_path
         check_intervals(s)
         # the measured figure (on virtual ranks the headline is the cost model's)
         by_algorithm.setdefault(s["algorithm"], []).append(s["measured"]["scaling_efficiency"])
+        ref = s["reference"]
+        assert ref["source"] == "measured" and ref["wrapper_steps"] == "the job's own training steps"
+        assert ref["step_time_s"] == s["measured"]["step_time_s"] and ref["steps"] >= 100
+        assert ref["rounds"] == 30 and ref["plain_step_time_s"] > 0
+        assert ref["framework_overhead_fraction_low"] <= s["framework_overhead_fraction"] > -0.5
     assert sorted(by_algorithm) == algorithms and all(len(v) == 3 for v in by_algorithm.values())
     medians = {a: statistics.median(v) for a, v in by_algorithm.items()}
     assert all(0.9 <= m <= 1.1 for m in medians.values()), (medians, by_algorithm)
