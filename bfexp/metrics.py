@@ -25,8 +25,10 @@ def consensus_distance(engine: Engine, flat: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096) -> tuple[float, float]:
-    """(mean loss, accuracy) of one rank's model on the held-out set."""
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> tuple[float, float]:
+    """(mean loss, accuracy) of one rank's model on the held-out set, ``batch`` samples at a time
+    (a chunk whose activations stay in cache: the cnn's 2000-sample evaluation takes 0.10 s in
+    chunks of 256 and 0.25 s in one of 4096 here, 2 threads; an MLP's is the same either way)."""
     was_training = model.training
     model.eval()
     loss, correct = 0.0, 0

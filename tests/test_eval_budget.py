@@ -79,3 +79,24 @@ def test_the_job_table_shows_training_and_evaluation_time(capsys):
     out = capsys.readouterr().out
     assert "training time (s)" in out and "1.25" in out
     assert "evaluation time (s)" in out and "0.125" in out
+
+
+def test_evaluation_in_chunks_equals_one_pass_by_hand():
+    """evaluate() walks the held-out set in cache-sized chunks (the last one short): the mean loss and the
+    accuracy equal those of one pass over all samples, computed here with torch directly."""
+    import torch
+    import torch.nn.functional as F
+
+    from bfexp.metrics import evaluate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).double()
+    x, y = torch.randn(1000, 6, dtype=torch.float64), torch.randint(0, 4, (1000,))
+    with torch.no_grad():
+        out = model(x)
+        loss, accuracy = float(F.cross_entropy(out, y)), float((out.argmax(1) == y).double().mean())
+    for chunk in (1, 256, 999, 4096):
+        got = evaluate(model, x, y, chunk)
+        # (evaluate takes the loss in float32, as training does)
+        assert abs(got[0] - loss) < 1e-6 * loss and got[1] == accuracy, (chunk, got, loss, accuracy)
+    assert model.training  # the mode it came in with
