@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 
-from bfexp.errors import ConfigError
+from bfexp.errors import ConfigError, number_in
 
 __all__ = [
     "Cast",
@@ -136,9 +136,7 @@ class _Seeded(Compressor):
     """A stochastic compressor: rank r draws from a stream seeded by (seed, r)."""
 
     def __init__(self, seed: int) -> None:
-        if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
-            raise ConfigError(f"{KEY}.seed={seed!r}; allowed: an integer >= 0")
-        self.seed = seed
+        self.seed = number_in(f"{KEY}.seed", seed, low=0, integer=True)
 
     def generator(self, rank: int, device: torch.device) -> torch.Generator:
         g = torch.Generator(device=device)
@@ -162,10 +160,7 @@ class Identity(Compressor):
 
 
 def _ratio(ratio: Any) -> float:
-    number = isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
-    if not (number and 0 < ratio <= 1):
-        raise ConfigError(f"{KEY}.ratio={ratio!r}; allowed: a number in (0, 1]")
-    return float(ratio)
+    return float(number_in(f"{KEY}.ratio", ratio, low=0, high=1, low_open=True))
 
 
 class _Sparse(Compressor):
@@ -236,8 +231,7 @@ class QSGD(_Seeded):
 
     def __init__(self, bits: int = 4, scaled: bool = False, seed: int = 0) -> None:
         """``bits`` per element (2..8: one sign bit, the rest the level); ``seed``: rank r draws from (seed, r)."""
-        if not (isinstance(bits, int) and not isinstance(bits, bool) and 2 <= bits <= 8):
-            raise ConfigError(f"{KEY}.bits={bits!r}; allowed: an integer from 2 to 8")
+        number_in(f"{KEY}.bits", bits, low=2, high=8, integer=True)
         super().__init__(seed)
         self.bits = bits
         self.scaled = scaled

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bfexp.checkpoint import job_folder
-from bfexp.errors import ConfigError
+from bfexp.errors import ConfigError, number_in
 
 __all__ = ["Config", "ConfigError", "check_node", "label", "node_options", "register_configs", "target_of", "validate"]
 
@@ -209,25 +208,6 @@ def build(node: Any, key: str, *args: Any, **kwargs: Any) -> Any:
     if node.get("_partial_", False):
         return functools.partial(factory, *args, **kwargs)
     return factory(*args, **kwargs)
-
-
-def number_in(key: str, value: Any, *, low: float | None = None, high: float | None = None,
-              low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
-    """Raise ConfigError unless ``value`` is a finite number in the range (one line: the value and the range)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (not integer or float(value).is_integer())
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        parts = []
-        if low is not None:
-            parts.append(f"{'>' if low_open else '>='} {low:g}")
-        if high is not None:
-            parts.append(f"{'<' if high_open else '<='} {high:g}")
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{key}={value}; allowed: {kind}{' ' + ' and '.join(parts) if parts else ''}")
 
 
 # The domains of the options torch's optimizers share. torch checks some of them (and names no

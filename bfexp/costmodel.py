@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
+from bfexp.errors import number_in
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -59,8 +61,7 @@ class Traffic:
     def __post_init__(self) -> None:
         if self.kind not in ("allreduce", "neighbor", "allgather"):
             raise ValueError(f"Traffic.kind={self.kind!r}; allowed: allreduce, neighbor, allgather")
-        if not 0 < self.density <= 1:
-            raise ValueError(f"Traffic.density={self.density}; allowed: a number in (0, 1]")
+        number_in("Traffic.density", self.density, low=0, high=1, low_open=True, error=ValueError)
 
     def message_bytes(self, param_bytes: float, element_bytes: int) -> float:
         """Bytes of one exchange's message for a model of ``param_bytes``, as compressed."""

@@ -15,7 +15,6 @@ numbers. Nothing is downloaded: MNIST and CIFAR-10 load from a local folder.
 from __future__ import annotations
 
 import gzip
-import math
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any, ClassVar, Literal, get_args
 import numpy as np
 import torch
 
-from bfexp.errors import ConfigError, DatasetError
+from bfexp.errors import ConfigError, DatasetError, number_in
 
 __all__ = ["CIFAR10", "MNIST", "BatchSampler", "Dataset", "Digits", "RankData", "Synthetic", "partition"]
 
@@ -51,15 +50,6 @@ class RankData:
     @property
     def in_features(self) -> int:
         return int(np.prod(self.train_x.shape[1:]))
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ------------------------------------------------------------------ partitioning
@@ -149,12 +139,10 @@ class Dataset:
     name: ClassVar[str]
 
     def __init__(self, partition: Partition = "iid", alpha: float = 0.5, eval_samples: int = 2000) -> None:
-        _require(partition in get_args(Partition),
-                 f"dataset.partition={partition!r}; allowed: {', '.join(get_args(Partition))}")
-        _require(not isinstance(alpha, bool) and isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0,
-                 f"dataset.alpha={alpha}; allowed: a finite number > 0")
-        _require(_is_int(eval_samples) and eval_samples >= 0,
-                 f"dataset.eval_samples={eval_samples}; allowed: an integer >= 0 (0 = all)")
+        if partition not in get_args(Partition):
+            raise ConfigError(f"dataset.partition={partition!r}; allowed: {', '.join(get_args(Partition))}")
+        number_in("dataset.alpha", alpha, low=0, low_open=True)
+        number_in("dataset.eval_samples", eval_samples, low=0, integer=True, note="(0 = all)")
         # How the training set is split by rank; held-out samples every rank evaluates on.
         self.partition, self.alpha, self.eval_samples = partition, alpha, eval_samples
 
@@ -200,13 +188,11 @@ class Synthetic(Dataset):
     def __init__(self, samples_per_rank: int = 512, features: int = 32, classes: int = 2,
                  heterogeneity: float = 0.5, label_noise: float = 0.05, **options: Any) -> None:
         super().__init__(**options)
-        _require(_is_int(samples_per_rank) and samples_per_rank >= 1,
-                 f"dataset.samples_per_rank={samples_per_rank}; allowed: an integer >= 1")
-        _require(_is_int(features) and features >= 1, f"dataset.features={features}; allowed: an integer >= 1")
-        _require(_is_int(classes) and classes >= 2, f"dataset.classes={classes}; allowed: an integer >= 2")
-        _require(math.isfinite(heterogeneity) and heterogeneity >= 0,
-                 f"dataset.heterogeneity={heterogeneity}; allowed: a finite number >= 0 (0 = iid)")
-        _require(0 <= label_noise <= 1, f"dataset.label_noise={label_noise}; allowed: a number in [0, 1]")
+        number_in("dataset.samples_per_rank", samples_per_rank, low=1, integer=True)
+        number_in("dataset.features", features, low=1, integer=True)
+        number_in("dataset.classes", classes, low=2, integer=True)
+        number_in("dataset.heterogeneity", heterogeneity, low=0, note="(0 = iid)")
+        number_in("dataset.label_noise", label_noise, low=0, high=1)
         self.samples_per_rank, self.features, self.classes = samples_per_rank, features, classes
         self.heterogeneity, self.label_noise = heterogeneity, label_noise
 
@@ -253,7 +239,7 @@ class Digits(Dataset):
 
     def __init__(self, test_fraction: float = 0.2, partition: Partition = "dirichlet", **options: Any) -> None:
         super().__init__(partition=partition, **options)
-        _require(0 < test_fraction < 1, f"dataset.test_fraction={test_fraction}; allowed: a number in (0, 1)")
+        number_in("dataset.test_fraction", test_fraction, low=0, high=1, low_open=True, high_open=True)
         self.test_fraction = test_fraction
 
     def arrays(self, seed: int) -> Arrays:

@@ -8,10 +8,17 @@
 * Anything else is a bug in bfexp (or in the user's own code) and shows its
   traceback.
 
-This module imports nothing: every layer may raise these.
+``number_in`` is the one range check of a numeric option (its message
+included): every component checks its numbers with it.
+
+This module imports only the standard library: every layer may raise these.
 """
 
 from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
 
 __all__ = [
     "BfexpError",
@@ -21,6 +28,7 @@ __all__ = [
     "LaunchError",
     "TopologyError",
     "TopologyMismatch",
+    "number_in",
 ]
 
 
@@ -50,3 +58,29 @@ class LaunchError(ConfigError):
 
 class CommError(BfexpError, RuntimeError):
     """A communication pattern that cannot complete (e.g. mismatched neighbors), raised on every rank."""
+
+
+def number_in(key: str, value: Any, *, low: float | None = None, high: float | None = None,
+              low_open: bool = False, high_open: bool = False, integer: bool = False, note: str = "",
+              error: type[Exception] = ConfigError) -> Any:
+    """Raise ``error`` (one line: ``key=value; allowed: ...`` with the range) unless ``value`` is a
+    finite number in the range (an int when ``integer``: 2.0 is not; a bool is neither); returns ``value``.
+    ``note`` follows the range, e.g. "(0 = off)"."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (not integer or isinstance(value, numbers.Integral))  # numpy's integers too
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        if low is not None and high is not None:
+            bounds = f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        elif low is not None:
+            bounds = f" {'>' if low_open else '>='} {low:g}"
+        elif high is not None:
+            bounds = f" {'<' if high_open else '<='} {high:g}"
+        else:
+            bounds = ""
+        raise error(f"{key}={value!r}; allowed: {kind}{bounds}{' ' + note if note else ''}")
+    return value

@@ -33,21 +33,12 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from bfexp.errors import ConfigError
+from bfexp.errors import ConfigError, number_in
 
 __all__ = ["Heterogeneity", "Pace"]
 
 Delay = Literal["none", "constant", "uniform", "exponential"]
 DELAYS: tuple[str, ...] = ("none", "constant", "uniform", "exponential")
-
-
-def _number(key: str, value: Any, low: float, high: float | None = None, low_open: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
-    if not ok:
-        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
-        raise ConfigError(f"heterogeneity.{key}={value}; allowed: a number {bound}")
-    return float(value)
 
 
 class Heterogeneity:
@@ -79,17 +70,18 @@ class Heterogeneity:
         if delay not in DELAYS:
             raise ConfigError(f"heterogeneity.delay={delay!r}; allowed: {', '.join(DELAYS)}")
         self.slow_ranks = sorted(ranks)
-        self.factor = _number("factor", factor, 1.0)
+        self.factor = float(number_in("heterogeneity.factor", factor, low=1.0))
         self.delay = delay
-        self.delay_s = _number("delay_s", delay_s, 0.0)
+        self.delay_s = float(number_in("heterogeneity.delay_s", delay_s, low=0.0))
         if delay != "none" and self.delay_s == 0:
             raise ConfigError(f"heterogeneity.delay_s={delay_s} with heterogeneity.delay={delay}; "
                               "allowed: a number > 0")
-        self.pause_probability = _number("pause_probability", pause_probability, 0.0, 1.0)
-        self.pause_s = _number("pause_s", pause_s, 0.0)
-        self.step_time_s = None if step_time_s is None else _number("step_time_s", step_time_s, 0.0, low_open=True)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ConfigError(f"heterogeneity.seed={seed}; allowed: an integer >= 0 or null (the run's seed)")
+        self.pause_probability = float(number_in("heterogeneity.pause_probability", pause_probability, low=0.0, high=1.0))
+        self.pause_s = float(number_in("heterogeneity.pause_s", pause_s, low=0.0))
+        self.step_time_s = None if step_time_s is None else float(
+            number_in("heterogeneity.step_time_s", step_time_s, low=0.0, low_open=True))
+        if seed is not None:
+            number_in("heterogeneity.seed", seed, low=0, integer=True, note="or null (the run's seed)")
         self.seed = seed
 
     @property

@@ -32,7 +32,7 @@ from torch import nn
 
 from bfexp import config
 from bfexp.data import Dataset
-from bfexp.errors import ConfigError
+from bfexp.errors import ConfigError, number_in
 
 __all__ = ["CNN", "LogReg", "MLP", "ResNet50", "build_model", "initialize", "parameter_count", "sample_shape"]
 
@@ -46,12 +46,6 @@ def _widths(key: str, values: Sequence[int], nonempty: bool = False) -> list[int
     if (nonempty and not widths) or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
         raise ConfigError(f"{key}={widths}; allowed: a {'non-empty ' if nonempty else ''}list of integers >= 1")
     return widths
-
-
-def _positive(key: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key}={value}; allowed: an integer >= 1")
-    return value
 
 
 # ------------------------------------------------------------------ models
@@ -97,7 +91,7 @@ class CNN(nn.Sequential):
         self, in_shape: tuple[int, ...], classes: int, channels: tuple[int, ...] = (16, 32), hidden: int = 128
     ) -> None:
         widths = _widths("model.channels", channels, nonempty=True)
-        _positive("model.hidden", hidden)
+        number_in("model.hidden", hidden, low=1, integer=True)
         layers: list[nn.Module] = []
         in_ch = None  # sized by the first batch (1 for MNIST, 3 for CIFAR-10)
         for out_ch in widths:
@@ -209,8 +203,8 @@ class ResNet50(nn.Sequential):
     def __init__(
         self, in_shape: tuple[int, ...], classes: int = 1000, channels: int = 3, image_size: int = 224
     ) -> None:
-        _positive("model.channels", channels)
-        _positive("model.image_size", image_size)
+        number_in("model.channels", channels, low=1, integer=True)
+        number_in("model.image_size", image_size, low=1, integer=True)
         in_features = math.prod(in_shape)
         side = math.isqrt(max(1, in_features // channels))
         if channels * side * side != in_features:

@@ -36,7 +36,7 @@ CASES = [
     ("engine", ["engine.slots_factor=0"], ["engine.slots_factor=0", "> 0"]),
     ("engine", ["engine.speed=1"], ["unknown key 'engine.speed'"]),
     ("scaling", ["scaling.backward_fraction=half"], ["scaling.backward_fraction", "half"]),
-    ("scaling", ["scaling.backward_fraction=2"], ["scaling.backward_fraction=2", "<= 1"]),
+    ("scaling", ["scaling.backward_fraction=2"], ["scaling.backward_fraction=2", "a number in [0, 1]"]),
     ("scaling", ["scaling.bandwidth=1"], ["unknown key 'scaling.bandwidth'"]),
     ("logger", ["logger.progress=sometimes"], ["logger.progress", "sometimes"]),
     ("logger", ["logger=wandb", "logger.mode=loud"], ["logger.mode='loud'", "offline"]),

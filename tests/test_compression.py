@@ -157,7 +157,7 @@ def test_every_packaged_option_builds_its_class():
     ("top_kk", "algorithm.compressor=top_kk; allowed: cast, identity, qsgd, random_k, sign, top_k"),
     ({"_target_": "bfexp.compression.TopK", "ratio": 1.5}, "algorithm.compressor.ratio=1.5; allowed: a number in (0, 1]"),
     ({"_target_": "bfexp.compression.TopK", "ratio": 0}, "algorithm.compressor.ratio=0; allowed"),
-    ({"_target_": "bfexp.compression.QSGD", "bits": 9}, "algorithm.compressor.bits=9; allowed: an integer from 2 to 8"),
+    ({"_target_": "bfexp.compression.QSGD", "bits": 9}, "algorithm.compressor.bits=9; allowed: an integer in [2, 8]"),
     ({"_target_": "bfexp.compression.Cast", "dtype": "int8"}, "algorithm.compressor.dtype='int8'; allowed"),
     ({"_target_": "bfexp.compression.TopK", "ratoi": 0.1}, "unknown key 'algorithm.compressor.ratoi'"),
     ({"_target_": "bfexp.topology.Ring"}, "algorithm.compressor"),

@@ -60,7 +60,7 @@ from bfexp.algorithms.asynchronous import AsynchronousOptimizer
 from bfexp.algorithms.base import Requirements, neighbors_over_period, window_name
 from bfexp.comm.engine import Engine, Handle
 from bfexp.costmodel import Traffic
-from bfexp.errors import ConfigError
+from bfexp.errors import number_in
 from bfexp.topology import Topology
 
 
@@ -97,9 +97,7 @@ class AsyncPushSum(AsynchronousOptimizer):
     def check_options(cls, **options: Any) -> None:
         super().check_options(**options)
         if "min_weight" in options:
-            v = options["min_weight"]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-                raise ConfigError(f"algorithm.min_weight={v!r}; allowed: a number in [0, 1)")
+            number_in("algorithm.min_weight", options["min_weight"], low=0, high=1, high_open=True)
 
     @property
     def weight(self) -> float:

@@ -17,7 +17,7 @@ import random
 from typing import Any, ClassVar
 
 from bfexp.algorithms.base import DecentralizedOptimizer
-from bfexp.errors import ConfigError
+from bfexp.errors import ConfigError, number_in
 
 
 class AsynchronousOptimizer(DecentralizedOptimizer):
@@ -33,9 +33,7 @@ class AsynchronousOptimizer(DecentralizedOptimizer):
             raise ConfigError(f"algorithm.global_average_every={every}; allowed: 0, since algorithm={cls.name} "
                               "never makes the ranks wait for one another")
         if "seed" in options:
-            seed = options["seed"]
-            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-                raise ConfigError(f"algorithm.seed={seed!r}; allowed: an integer >= 0")
+            number_in("algorithm.seed", options["seed"], low=0, integer=True)
 
     def peer_stream(self, seed: int) -> random.Random:
         """This rank's own stream of peer choices: the same on MPI and virtual ranks."""

@@ -45,7 +45,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import sys
 import typing
 import warnings
@@ -59,7 +58,7 @@ import torch.optim.optimizer as _optimizer_module  # its global step hooks (regi
 from bfexp.algorithms.buckets import Bucket, GradBuckets
 from bfexp.comm.engine import Engine, Handle
 from bfexp.costmodel import Traffic
-from bfexp.errors import ConfigError, TopologyMismatch
+from bfexp.errors import ConfigError, TopologyMismatch, number_in
 from bfexp.topology import RankWeights, Topology
 
 
@@ -467,20 +466,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if key in options and options[key] not in words:
                 raise ConfigError(f"algorithm.{key}={options[key]!r}; allowed: {', '.join(map(str, words))}")
         if "communication_period" in options:
-            period = options["communication_period"]
-            if not (isinstance(period, int) and not isinstance(period, bool) and period >= 1):
-                raise ConfigError(f"algorithm.communication_period={period}; allowed: an integer >= 1")
+            number_in("algorithm.communication_period", options["communication_period"], low=1, integer=True)
         if "bucket_mb" in options:
-            bucket_mb = options["bucket_mb"]
-            number = isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
-            if not (number and math.isfinite(bucket_mb) and bucket_mb > 0):
-                raise ConfigError(f"algorithm.bucket_mb={bucket_mb}; allowed: a finite number > 0")
+            number_in("algorithm.bucket_mb", options["bucket_mb"], low=0, low_open=True)
         if options.get("overlap") and not cls.overlaps:
             raise ConfigError(f"algorithm.overlap=true; allowed: false (algorithm={cls.name} sends what the "
                               "finished step made, so nothing overlaps it)")
-        every = options.get("global_average_every", 0)
-        if not (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
-            raise ConfigError(f"algorithm.global_average_every={every}; allowed: an integer >= 0 (0 = never)")
+        every = number_in("algorithm.global_average_every", options.get("global_average_every", 0), low=0,
+                          integer=True, note="(0 = never)")
         if every and not cls.uses_topology:
             raise ConfigError(f"algorithm.global_average_every={every}; allowed: 0, since algorithm={cls.name} "
                               "averages exactly already")

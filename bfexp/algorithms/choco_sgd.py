@@ -38,7 +38,7 @@ import torch
 from bfexp.algorithms.base import DecentralizedOptimizer, GlobalAverage, Requirements
 from bfexp.comm.engine import Engine
 from bfexp.compression import Compressor, as_compressor
-from bfexp.config import number_in
+from bfexp.errors import number_in
 from bfexp.costmodel import Traffic
 from bfexp.topology import Topology
 

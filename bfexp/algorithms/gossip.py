@@ -41,7 +41,7 @@ frees the window.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -49,7 +49,7 @@ from bfexp.algorithms.asynchronous import AsynchronousOptimizer
 from bfexp.algorithms.base import Requirements, neighbors_over_period, window_name
 from bfexp.comm.engine import Engine, Handle
 from bfexp.costmodel import Traffic
-from bfexp.errors import ConfigError
+from bfexp.errors import ConfigError, number_in
 from bfexp.topology import Topology
 
 MIN_SCORE = 1.0 / 64
@@ -110,17 +110,12 @@ class Gossip(AsynchronousOptimizer):
     @classmethod
     def check_options(cls, **options: Any) -> None:
         super().check_options(**options)
-
-        def number(key: str, ok: Callable[[float], bool], allowed: str) -> None:
+        ranges = {"factor": {"low": 0, "high": 1, "low_open": True}, "fetch_probability": {"low": 0, "high": 1,
+                  "low_open": True}, "timeout_s": {"low": 0, "low_open": True},
+                  "divergence_threshold": {"low": 0, "note": "(a loss; 0 = off)"}}
+        for key, bounds in ranges.items():
             if key in options:
-                v = options[key]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-                    raise ConfigError(f"algorithm.{key}={v!r}; allowed: {allowed}")
-
-        number("factor", lambda v: 0 < v <= 1, "a number in (0, 1]")
-        number("fetch_probability", lambda v: 0 < v <= 1, "a number in (0, 1]")
-        number("timeout_s", lambda v: v > 0, "a number of seconds > 0")
-        number("divergence_threshold", lambda v: v >= 0, "a loss >= 0 (0 = off)")
+                number_in(f"algorithm.{key}", options[key], **bounds)
         if "two_way" in options and not isinstance(options["two_way"], bool):
             raise ConfigError(f"algorithm.two_way={options['two_way']!r}; allowed: true, false")
 

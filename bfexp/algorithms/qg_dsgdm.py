@@ -27,7 +27,7 @@ import torch
 
 from bfexp.algorithms.base import DecentralizedOptimizer, Requirements, flat_grad
 from bfexp.comm.engine import Engine
-from bfexp.config import number_in
+from bfexp.errors import number_in
 from bfexp.costmodel import Traffic
 from bfexp.topology import Topology
 

@@ -24,7 +24,7 @@ import torch
 
 from bfexp.algorithms.outer import OuterOptimizer
 from bfexp.comm.engine import Engine
-from bfexp.config import number_in
+from bfexp.errors import number_in
 from bfexp.topology import Topology
 
 

@@ -41,6 +41,7 @@ import torch
 from bfexp.algorithms import DSGD, Allreduce
 from bfexp.bluefog import ops
 from bfexp.comm.engine import Handle
+from bfexp.errors import number_in
 from bfexp.topology import RankWeights
 
 __all__ = [
@@ -148,8 +149,7 @@ class _Wrapper:
         self._set_steps(value)
 
     def _set_steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"num_steps_per_communication={value!r}; allowed: an integer >= 1")
+        number_in("num_steps_per_communication", value, low=1, integer=True, error=ValueError)
         self._J = value
 
     def _count_forward(self, module: torch.nn.Module, args: Any) -> None:

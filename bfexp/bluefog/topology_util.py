@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import networkx as nx
 import numpy as np
 
+from bfexp.errors import number_in
 from bfexp.topology import Exp2, FullyConnected, Mesh, Star, Topology
 from bfexp.topology.graphs import closest_factors
 
@@ -51,8 +52,7 @@ def from_topology(topology: Topology, t: int = 0) -> nx.DiGraph:
 
 def _circulant(size: int, offsets: Sequence[int]) -> nx.DiGraph:
     """Rank i sends to i + d (mod size) for every d in ``offsets`` (0 = self), uniform weights."""
-    if size < 1:
-        raise ValueError(f"size={size}; allowed: an integer >= 1")
+    number_in("size", size, low=1, integer=True, error=ValueError)
     ds = sorted({d % size for d in offsets} | {0})
     a = np.zeros((size, size))
     for i in range(size):
@@ -76,8 +76,7 @@ def ExponentialTwoGraph(size: int) -> nx.DiGraph:
 
 def ExponentialGraph(size: int, base: int = 2) -> nx.DiGraph:
     """Rank i sends to i + base^k for every base^k < size; self included, uniform weights (bfexp's exp2)."""
-    if size < 1:
-        raise ValueError(f"size={size}; allowed: an integer >= 1")
+    number_in("size", size, low=1, integer=True, error=ValueError)
     if size == 1:
         return _circulant(1, [])
     return from_topology(Exp2(size, base=base, weights="uniform"))

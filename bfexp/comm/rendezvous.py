@@ -45,7 +45,7 @@ import numpy as np
 
 from bfexp.comm.declarations import Declaration
 from bfexp.comm.engine import Window, local_size_for
-from bfexp.errors import CommError, ConfigError
+from bfexp.errors import CommError, number_in
 
 __all__ = ["POLL_S", "RankAborted", "Rendezvous"]
 
@@ -94,8 +94,7 @@ class Rendezvous:
     """What the virtual ranks of one job share: collectives, exchanges and their mail, windows, failure."""
 
     def __init__(self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S) -> None:
-        if size < 1:
-            raise ConfigError(f"ranks={size}; allowed: an integer >= 1")
+        number_in("ranks", size, low=1, integer=True)
         self.size = size
         self.local_size = local_size_for(size, ranks_per_machine)
         self.poll_s = poll_s

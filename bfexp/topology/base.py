@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from bfexp.errors import TopologyError
+from bfexp.errors import TopologyError, number_in
 from bfexp.topology.mixing import WEIGHT_SCHEMES, NotUndirected, SparseMixing, WeightScheme, weigh
 
 
@@ -44,8 +44,7 @@ class RankWeights:
 
 def check_ranks(size: int) -> None:
     """Raise TopologyError unless ``size`` is a rank count (an integer >= 1)."""
-    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-        raise TopologyError(f"ranks={size}; allowed: an integer >= 1")
+    number_in("ranks", size, low=1, integer=True, error=TopologyError)
 
 
 class Topology(abc.ABC):

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from bfexp.errors import TopologyError
+from bfexp.errors import TopologyError, number_in
 from bfexp.topology.base import Topology
 from bfexp.topology.mixing import SparseMixing
 
@@ -203,8 +203,7 @@ class BaseGraph(Topology):
     def __init__(self, size: int, *, k: int = 1) -> None:
         """``k``: the most peers a rank talks to in one step (Base-(k+1): k = 1 is Base-2)."""
         super().__init__(size)
-        if not (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1):
-            raise TopologyError(f"topology.k={k!r}; allowed: an integer >= 1")
+        number_in("topology.k", k, low=1, integer=True, error=TopologyError)
         self.k = int(k)
         self.weight_scheme = "base_graph"  # the construction's own weights
         self._steps = [to_sparse(self.size, s) for s in base_graph(self.size, self.k)]

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from bfexp.errors import TopologyError
+from bfexp.errors import TopologyError, number_in
 from bfexp.topology.base import GraphTopology, Topology
 from bfexp.topology.mixing import WeightScheme
 
@@ -47,8 +47,7 @@ class Exp2(GraphTopology):
 
     def __init__(self, size: int, *, base: int = 2, weights: WeightScheme = "uniform") -> None:
         super().__init__(size, weights=weights)
-        if isinstance(base, bool) or int(base) != base or base < 2:
-            raise TopologyError(f"topology.base={base}; allowed: an integer >= 2")
+        number_in("topology.base", base, low=2, integer=True, error=TopologyError)
         self.base = int(base)
         self.validate()
 
