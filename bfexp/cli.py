@@ -8,6 +8,7 @@ line on stderr and exit code 2, before any rank starts.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import re
 import shutil
@@ -423,7 +424,9 @@ def _hydra_entry() -> None:
 def main() -> None:
     """The `bfexp` command (``command``). Once torch is loaded it ends without the interpreter's
     final garbage collection, which then takes seconds (a stopped job must end promptly) and
-    frees nothing the operating system does not."""
+    frees nothing the operating system does not. A crash of the driver (virtual ranks are its threads)
+    prints every thread's Python stack (faulthandler), so it can be told apart from a rank's error."""
+    faulthandler.enable(all_threads=True)
     try:
         command(sys.argv[1:])
         code = 0

@@ -508,7 +508,8 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     except OSError:  # the rank logs could not be flushed (a full disk): the job's outcome stands
         pass
     finally:
-        torch.set_num_threads(saved_threads)
+        if not world.alive():  # a rank thread still inside torch keeps the pool it runs on
+            torch.set_num_threads(saved_threads)
     follow()
     stuck = world.alive()
     if stuck and reason is None and not world.errors:
