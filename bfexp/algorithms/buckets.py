@@ -33,7 +33,10 @@ class Bucket:
 class GradBuckets:
     """Calls ``on_ready(bucket)`` once per armed iteration and bucket, in bucket order.
 
-    ``bucket_bytes=None`` means one bucket for everything and no hooks (no overlap).
+    ``bucket_bytes=None`` means one bucket for everything and no hooks (no overlap). A model that
+    fits one bucket gets no hooks either: its bucket is ready only when backward has ended, so
+    ``collect()`` in step() starts it at the same point, without a Python call per parameter
+    (8-12 us of a 0.1 ms step on the default problem).
     """
 
     def __init__(
@@ -53,7 +56,7 @@ class GradBuckets:
         self._started: list[tuple[Bucket, Any]] = []
         self.armed = False
         self._hooks = []
-        if bucket_bytes is not None:
+        if bucket_bytes is not None and len(self.buckets) > 1:
             for p in params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
