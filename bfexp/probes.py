@@ -185,8 +185,9 @@ class SingleRankReference:
     cost to other ranks, and it refreshes the cache for the jobs on more ranks.
 
     ``own_steps`` (a 1-rank job whose steps run at the reference's threads and
-    pace): the job's own timed training steps are the wrapper's samples, passed
-    to ``finish``; rounds time only plain steps, each paired with the training
+    pace, with at least ``rounds`` timed steps): the job's own timed training
+    steps are the wrapper's samples, passed to ``finish`` (fewer than ``rounds``,
+    e.g. a resumed run's: the wrapper is timed in rounds after all); rounds time only plain steps, each paired with the training
     step it follows (``after_step``'s ``step_s``) for the framework overhead.
     The job then scores efficiency 1 by definition, with its steps' interval,
     instead of against a second copy of its model timed in between (which
@@ -201,7 +202,8 @@ class SingleRankReference:
         self.engine, self.step, self.alone, self.plain, self.next_batch = engine, step, alone, plain, next_batch
         self.key, self.directory, self.policy, self.margin = key, directory, policy, margin
         self.threads, self.job_alone = threads, job_alone or own_steps
-        self.own = own_steps and steps >= first and torch.get_num_threads() == threads
+        self.rounds = rounds
+        self.own = own_steps and steps - first + 1 >= rounds and torch.get_num_threads() == threads
         # training step -> what to time after it (pairs in alternating order: plain, wrapper, wrapper, plain, ...;
         # with the job's own steps as the wrapper's, plain steps alone)
         pairs = [which for k in range(rounds) for which in (("plain", "wrapper"), ("wrapper", "plain"))[k % 2]]
@@ -249,10 +251,10 @@ class SingleRankReference:
     def finish(self, own_steps: Sequence[float] = ()) -> dict:
         """The reference record (the summary's ``reference``), the same on every rank. ``own_steps``:
         the job's timed training steps (used with ``own_steps=True``)."""
-        if self.own and own_steps:
+        if self.own and len(own_steps) >= self.rounds:
             self.own_samples = list(own_steps)
             self.schedule.clear()  # rounds training did not reach: the overhead pairs it did reach suffice
-        elif self.own:  # no timed steps after all (a run stopped early): time the wrapper too
+        elif self.own:  # too few timed steps after all (a run stopped early): time the wrapper too
             self.own, self.samples, self.left, self._built = False, {"wrapper": [], "plain": []}, self.pairs, None
             self.schedule.clear()
         # What training did not reach (a short, resumed or diverged run): in rounds, order kept.

@@ -69,6 +69,15 @@ def write_cifar10(root: Path, per_batch: int = 20, seed: int = 0) -> dict:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def reference_cache(tmp_path_factory):
+    """Single-rank references cached by the suite's jobs go to a folder of the session's own, not the
+    user's ~/.cache/bfexp (a test that needs its own cache sets BFEXP_CACHE_DIR itself)."""
+    if "BFEXP_CACHE_DIR" not in os.environ:
+        os.environ["BFEXP_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    return Path(os.environ["BFEXP_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session", autouse=True)
 def local_image_datasets(tmp_path_factory):
     """Generated MNIST/CIFAR-10 folders, named by env vars the option tests read."""
     base = tmp_path_factory.mktemp("datasets")

@@ -221,11 +221,21 @@ def test_a_one_rank_job_is_its_own_reference(tmp_path):
     assert record["framework_overhead_fraction"] == pytest.approx(overhead, rel=1e-12)
     assert record["plain_step_time_s"] == statistics.median(ref.samples["plain"])
 
-    # a run with no timed steps after all: the wrapper is timed in rounds, as for a larger job
+    # a run that timed fewer steps than rounds after all (stopped early): the wrapper is timed in rounds,
+    # as for a larger job
     short = one_rank_reference(tmp_path, policy="fresh", rounds=2, steps=10, own_steps=True)
     short.start()
-    record = short.finish([])
+    record = short.finish([0.001])
     assert record["wrapper_steps"] == "timed rounds" and len(short.samples["wrapper"]) == len(short.samples["plain"]) == 2
+
+    # a job whose timed steps are fewer than the rounds asked for (steps 2..10: 9 < 12) times rounds from the start
+    few = one_rank_reference(tmp_path, policy="fresh", rounds=12, steps=10, own_steps=True)
+    few.start()
+    assert not few.own and "wrapper" in [w for turn in few.schedule.values() for w in turn]
+    for step in range(1, 11):
+        few.after_step(step, 0.001)
+    record = few.finish([0.001] * 9)
+    assert record["wrapper_steps"] == "timed rounds" and record["rounds"] == 12 and 0.001 not in few.samples["wrapper"]
 
 
 def test_reference_cached_at_another_load_is_measured_again(tmp_path):
