@@ -181,13 +181,15 @@ class SingleRankReference:
 
     ``policy`` cached reuses the cache's reference of ``key`` unless the load
     average has moved by more than ``margin`` since it was taken; fresh
+    measures. A job that itself runs on one rank (``job_alone``) always
     measures: it is its own reference, measured beside its own steps at no
     cost to other ranks, and it refreshes the cache for the jobs on more ranks.
 
     ``own_steps`` (a 1-rank job whose steps run at the reference's threads and
     pace, with at least ``rounds`` timed steps): the job's own timed training
-    steps are the wrapper's samples, passed to ``finish`` (fewer than ``rounds``,
-    e.g. a resumed run's: the wrapper is timed in rounds after all); rounds time only plain steps, each paired with the training
+    steps are the wrapper's samples, passed to ``finish`` (fewer than
+    ``rounds`` after all, e.g. a run stopped early: the wrapper is timed in
+    rounds); rounds time only plain steps, each paired with the training
     step it follows (``after_step``'s ``step_s``) for the framework overhead.
     The job then scores efficiency 1 by definition, with its steps' interval,
     instead of against a second copy of its model timed in between (which
