@@ -1,7 +1,6 @@
 """Whole jobs through the real CLI and real MPI ranks."""
 
 import json
-import os
 import signal
 import subprocess
 import time

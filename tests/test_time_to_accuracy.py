@@ -7,7 +7,6 @@ Small hand-written run folders; every expected time is worked out by hand in the
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import pytest
