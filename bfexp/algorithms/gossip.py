@@ -110,9 +110,12 @@ class Gossip(AsynchronousOptimizer):
     @classmethod
     def check_options(cls, **options: Any) -> None:
         super().check_options(**options)
-        ranges = {"factor": {"low": 0, "high": 1, "low_open": True}, "fetch_probability": {"low": 0, "high": 1,
-                  "low_open": True}, "timeout_s": {"low": 0, "low_open": True},
-                  "divergence_threshold": {"low": 0, "note": "(a loss; 0 = off)"}}
+        ranges = {
+            "factor": {"low": 0, "high": 1, "low_open": True},
+            "fetch_probability": {"low": 0, "high": 1, "low_open": True},
+            "timeout_s": {"low": 0, "low_open": True},
+            "divergence_threshold": {"low": 0, "note": "(a loss; 0 = off)"},
+        }
         for key, bounds in ranges.items():
             if key in options:
                 number_in(f"algorithm.{key}", options[key], **bounds)
