@@ -133,6 +133,50 @@ class BufferPool:
         self._bytes = 0
 
 
+# ------------------------------------------------------------------ repeated exchanges
+
+# A repeated exchange of a tensor up to this size keeps its own receive buffers (REPEAT_PLANS of them at most).
+REPEAT_MAX_BYTES = 256 << 10
+REPEAT_PLANS = 32
+
+
+class _Repeat:
+    """One tensor memory's exchange in one checked topology round, set up once: peers, weights, buffers.
+
+    Holding the tensor keeps its storage alive, so no other tensor can take its address while the
+    set-up is kept. ``busy`` while posted: a second exchange of the same memory before the first is
+    waited (outside the contract) takes the general path. A topology's round sends unscaled (the
+    receiver weighs), so the tensor's own memory is what goes out.
+    """
+
+    def __init__(self, tensor: torch.Tensor, spec: NeighborSpec) -> None:
+        assert all(w == 1.0 for w in spec.dst_weights.values()), "a topology round's senders do not weigh"
+        self.tensor = tensor.detach()
+        self.send = self.tensor.numpy()
+        self.dsts = list(spec.dst_weights)
+        inbox = {src: torch.empty_like(self.tensor) for src in spec.src_weights}
+        self.recvs = [(src, buf.numpy()) for src, buf in inbox.items()]
+        self.self_weight = spec.self_weight
+        self.pairs = [(inbox[src], w) for src, w in spec.src_weights.items()]  # the contract's order
+        self.nbytes = self.tensor.numel() * self.tensor.element_size() * len(self.dsts)  # what this rank sends
+        self.busy = False
+        self.MPI = load_mpi()
+
+    def post(self, comm: Any, tag: int, given: torch.Tensor) -> Pending:
+        MPI = self.MPI
+        self.busy = True
+        requests = [comm.Isend(self.send, dest=dst, tag=tag) for dst in self.dsts]
+        requests += [comm.Irecv(buf, source=src, tag=tag) for src, buf in self.recvs]
+
+        def wait() -> torch.Tensor:
+            MPI.Request.Waitall(requests)
+            weighted_combine_(self.tensor, self.self_weight, self.pairs)
+            self.busy = False
+            return given
+
+        return wait, lambda: MPI.Request.Testall(requests)
+
+
 # ------------------------------------------------------------------ declarations
 
 
@@ -534,6 +578,7 @@ class MPIEngine(MPIHost, Engine):
         # issues ops in the same order, so the counters agree.
         self._op_seq = 0
         self._pool = BufferPool()
+        self._repeats: OrderedDict[tuple, _Repeat] = OrderedDict()  # (pattern key, address) -> set-up
         self._closed = False
         if timeline_from_env:
             self.attach_timeline_from_env(self.rank)
@@ -551,6 +596,25 @@ class MPIEngine(MPIHost, Engine):
     def release_buffers(self) -> None:
         """Drop the scratch buffers kept between calls (memory goes back to the OS)."""
         self._pool.clear()
+        self._repeats.clear()
+
+    def set_topology(self, topology: Any) -> None:
+        super().set_topology(topology)
+        self._repeats.clear()  # set-ups of the old graph's rounds
+
+    def _repeat_neighbor_allreduce(self, key: tuple, tensor: torch.Tensor, t: int) -> tuple[Pending, int] | None:
+        where = (key, tensor.data_ptr())  # key: the topology's round, numel and dtype
+        plan = self._repeats.get(where)
+        if plan is None:
+            if (tensor.dtype not in (torch.float32, torch.float64) or not tensor.is_contiguous()
+                    or tensor.numel() * tensor.element_size() > REPEAT_MAX_BYTES):
+                return None
+            plan = self._repeats[where] = _Repeat(tensor, self.topology_spec(t))
+            if len(self._repeats) > REPEAT_PLANS:
+                self._repeats.popitem(last=False)
+        elif plan.busy or not tensor.is_contiguous():
+            return None
+        return plan.post(self.comm, self._next_tag(), tensor), plan.nbytes
 
     # collectives --------------------------------------------------------
     def _post_allreduce(self, call: Call, op: str, blocking: bool) -> Pending:
@@ -805,7 +869,7 @@ class MPIEngine(MPIHost, Engine):
         self._closed = True
         self._close_host()
         self._aux.Free()
-        self._pool.clear()
+        self.release_buffers()
 
 
 def _nothing() -> None:
