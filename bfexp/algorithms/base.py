@@ -280,9 +280,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._begin()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        for pre in (*_optimizer_module._global_optimizer_pre_hooks.values(),
-                    *self._optimizer_step_pre_hooks.values()):
-            pre(self, (closure,), {})
+        if _optimizer_module._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks:
+            for pre in (*_optimizer_module._global_optimizer_pre_hooks.values(),
+                        *self._optimizer_step_pre_hooks.values()):
+                pre(self, (closure,), {})
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -291,9 +292,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.late_begin()
         self.update(self.communicates_now())
         self.iteration += 1
-        for post in (*self._optimizer_step_post_hooks.values(),
-                     *_optimizer_module._global_optimizer_post_hooks.values()):
-            post(self, (closure,), {})
+        if self._optimizer_step_post_hooks or _optimizer_module._global_optimizer_post_hooks:
+            for post in (*self._optimizer_step_post_hooks.values(),
+                         *_optimizer_module._global_optimizer_post_hooks.values()):
+                post(self, (closure,), {})
         return loss
 
     def state_dict(self) -> dict:
@@ -396,7 +398,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Wait for a handle (engine handles count their own blocked time as communication)."""
         return handle.wait()
 
-    def local_step(self, params: list[torch.nn.Parameter] | None = None) -> None:
+    def local_step(self, params: typing.Sequence[torch.nn.Parameter] | None = None) -> None:
         """The local optimizer's step on ``params`` only (all when None).
 
         Torch optimizers keep state per parameter, so stepping a bucket's

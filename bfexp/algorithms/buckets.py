@@ -63,6 +63,9 @@ class GradBuckets:
 
     def arm(self) -> None:
         """Watch the coming backward pass."""
+        if not self._hooks:  # nothing to watch: collect() starts every bucket
+            self.armed = True
+            return
         self._remaining = [len(b.params) for b in self.buckets]
         self._seen.clear()
         self._started = []
@@ -70,6 +73,9 @@ class GradBuckets:
 
     def collect(self) -> list[tuple[Bucket, Any]]:
         """Start the buckets not started yet; return (bucket, what on_ready returned) for all, in order."""
+        if not self._hooks:  # no hooks saw backward: every bucket starts here, in order
+            self.armed = False
+            return [(b, self.on_ready(b)) for b in self.buckets]
         if not self.armed:
             self.arm()
         while len(self._started) < len(self.buckets):

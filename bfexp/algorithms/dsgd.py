@@ -101,7 +101,7 @@ class DSGD(DecentralizedOptimizer):
 
     # during backward: atc ------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> Handle:
-        self.local_step(list(bucket.params))  # X - a F(X), this slice
+        self.local_step(bucket.params)  # X - a F(X), this slice
         return self.start_mix(self.flat[bucket.start : bucket.stop], self.mixing_weights())
 
     # step ----------------------------------------------------------------

@@ -77,7 +77,7 @@ class ExactDiffusion(DecentralizedOptimizer):
 
     def bucket_ready(self, bucket: Bucket) -> Handle:
         s = slice(bucket.start, bucket.stop)
-        self.local_step(list(bucket.params))  # psi_{k+1} = x_k - a grad f(x_k), in the model
+        self.local_step(bucket.params)  # psi_{k+1} = x_k - a grad f(x_k), in the model
         torch.sub(self.x_last[s], self.psi[s], out=self.correction[s])  # x_k - psi_k
         self.psi[s].copy_(self.flat[s])
         self.flat[s].add_(self.correction[s])  # phi_{k+1} = psi_{k+1} + x_k - psi_k

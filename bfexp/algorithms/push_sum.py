@@ -64,7 +64,7 @@ class PushSum(DecentralizedOptimizer):
     def bucket_ready(self, bucket: Bucket) -> Handle:
         s = slice(bucket.start, bucket.stop)
         self.numerator[s].sub_(self.flat[s])  # x_k - z_k
-        self.local_step(list(bucket.params))  # z_k - a grad f(z_k)
+        self.local_step(bucket.params)  # z_k - a grad f(z_k)
         self.numerator[s].add_(self.flat[s])  # x_{k+1/2} = x_k - a grad f(z_k)
         return self.start_push(self.numerator[self._span(bucket)], self.mixing_weights())  # in place
 
