@@ -147,8 +147,14 @@ class Dataset:
         self.partition, self.alpha, self.eval_samples = partition, alpha, eval_samples
 
     def arrays(self, seed: int) -> Arrays:
-        """(x_train, y_train, x_test, y_test, classes) as numpy arrays: samples along axis 0, integer labels."""
+        """(x_train, y_train, x_test, y_test, classes) as numpy arrays: samples along axis 0, integer labels.
+        The samples may be stored as they are on disk (e.g. uint8 pixels): ``inputs`` makes them model inputs."""
         raise NotImplementedError(f"{type(self).__name__} must implement arrays(seed) or override load()")
+
+    def inputs(self, x: np.ndarray) -> np.ndarray:
+        """Samples as the model takes them (float32), applied to a rank's shard and the held-out set only:
+        converting the whole training set in every rank would cost each rank the full data set in float32."""
+        return np.ascontiguousarray(x, dtype=np.float32)
 
     def load(self, rank: int, size: int, seed: int) -> RankData:
         """Rank `rank`'s shard of `size` and the held-out set; the same numbers on every engine for one seed."""
@@ -157,9 +163,9 @@ class Dataset:
         x_test, y_test = _subsample(x_test, y_test, self.eval_samples, np.random.default_rng([seed, 2]))
         mine = shards[rank]
         return RankData(
-            torch.from_numpy(np.ascontiguousarray(x_train[mine], dtype=np.float32)),
+            torch.from_numpy(self.inputs(x_train[mine])),
             torch.from_numpy(y_train[mine].astype(np.int64)),
-            torch.from_numpy(np.ascontiguousarray(x_test, dtype=np.float32)),
+            torch.from_numpy(self.inputs(x_test)),
             torch.from_numpy(y_test.astype(np.int64)),
             int(classes),
             len(y_train),
@@ -300,8 +306,10 @@ class MNIST(_Folder):
 
     def arrays(self, seed: int) -> Arrays:
         x_tr, y_tr, x_te, y_te = (_read_idx(self._path(name)) for name in self.files)
-        x_tr, x_te = x_tr.astype(np.float32) / 255.0, x_te.astype(np.float32) / 255.0
-        return x_tr[:, None], y_tr.astype(np.int64), x_te[:, None], y_te.astype(np.int64), 10
+        return x_tr[:, None], y_tr.astype(np.int64), x_te[:, None], y_te.astype(np.int64), 10  # uint8 pixels
+
+    def inputs(self, x: np.ndarray) -> np.ndarray:
+        return x.astype(np.float32) / np.float32(255.0)
 
     def sample_shape(self) -> tuple[tuple[int, ...], int]:
         return (1, 28, 28), 10
@@ -327,11 +335,13 @@ class CIFAR10(_Folder):
     def arrays(self, seed: int) -> Arrays:
         *train_names, test_name = self.files
         parts = [self._batch(name) for name in train_names]
-        x_tr = np.concatenate([p[0] for p in parts]).astype(np.float32) / 255.0
+        x_tr = np.concatenate([p[0] for p in parts])
         y_tr = np.concatenate([p[1] for p in parts])
         x_te, y_te = self._batch(test_name)
-        x_te = x_te.astype(np.float32) / 255.0
-        return (x_tr - self.mean) / self.std, y_tr, (x_te - self.mean) / self.std, y_te, 10
+        return x_tr, y_tr, x_te, y_te, 10  # uint8 pixels
+
+    def inputs(self, x: np.ndarray) -> np.ndarray:
+        return ((x.astype(np.float32) / 255.0 - self.mean) / self.std).astype(np.float32, copy=False)
 
     def sample_shape(self) -> tuple[tuple[int, ...], int]:
         return (3, 32, 32), 10
