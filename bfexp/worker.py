@@ -131,6 +131,7 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
     if with_data:
         data = dataset.load(engine.rank, engine.size, cfg.seed)
         in_shape, classes = tuple(data.train_x.shape[1:]), data.classes
+        mark(engine, "build: topology, data shard")
     else:
         data = None
         in_shape, classes = sample_shape(cfg.model, dataset)
@@ -196,7 +197,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     rank, size = engine.rank, engine.size
     started = time.perf_counter()
     job = build(cfg, engine)
-    mark(engine, "build: topology, data, model, optimizer, algorithm")
+    mark(engine, "build: model, optimizer, algorithm")
     optimizer, data = job.optimizer, job.data
     sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
     steps = total_steps(cfg, data.global_train_size, size)
