@@ -284,6 +284,16 @@ class _Folder(Dataset):
         return next((p for p in candidates if p.exists()), candidates[0])
 
 
+def channels_last(x: np.ndarray) -> np.ndarray:
+    """(N, C, H, W) images laid out channels-last in memory (NHWC, viewed as NCHW: the channel's stride
+    is 1). torch's CPU convolutions take their faster path on such input: the default cnn's step on
+    MNIST 5.6 -> 3.3 ms and its evaluation ~2x faster here than on NCHW memory."""
+    n, c, h, w = x.shape
+    out = np.empty((n, h, w, c), dtype=x.dtype)  # not ascontiguousarray: with C = 1 it would keep x's strides
+    out[...] = x.transpose(0, 2, 3, 1)
+    return out.transpose(0, 3, 1, 2)
+
+
 def _read_idx(path: Path) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
@@ -309,7 +319,7 @@ class MNIST(_Folder):
         return x_tr[:, None], y_tr.astype(np.int64), x_te[:, None], y_te.astype(np.int64), 10  # uint8 pixels
 
     def inputs(self, x: np.ndarray) -> np.ndarray:
-        return x.astype(np.float32) / np.float32(255.0)
+        return channels_last(x.astype(np.float32) / np.float32(255.0))
 
     def sample_shape(self) -> tuple[tuple[int, ...], int]:
         return (1, 28, 28), 10
@@ -341,7 +351,7 @@ class CIFAR10(_Folder):
         return x_tr, y_tr, x_te, y_te, 10  # uint8 pixels
 
     def inputs(self, x: np.ndarray) -> np.ndarray:
-        return ((x.astype(np.float32) / 255.0 - self.mean) / self.std).astype(np.float32, copy=False)
+        return channels_last(((x.astype(np.float32) / 255.0 - self.mean) / self.std).astype(np.float32, copy=False))
 
     def sample_shape(self) -> tuple[tuple[int, ...], int]:
         return (3, 32, 32), 10

@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+import torch
+
 from bfexp.data import CIFAR10, MNIST, BatchSampler, Dataset, Digits, Synthetic, partition
 from bfexp.errors import ConfigError, DatasetError
 
@@ -64,6 +66,8 @@ def test_mnist_loader_reads_idx_files(tmp_path):
     want = np.sort(arrays["train-images-idx3-ubyte"].reshape(60, -1).sum(1) / 255.0)
     np.testing.assert_allclose(np.sort(x.reshape(60, -1).sum(1)), want, rtol=1e-5)
     np.testing.assert_array_equal(shards[0].test_y.numpy(), arrays["t10k-labels-idx1-ubyte"])
+    # Laid out channels-last (the channel's stride is 1), which CPU convolutions run faster on.
+    assert shards[0].train_x.stride() == (784, 1, 28, 1) and shards[0].test_x.stride() == (784, 1, 28, 1)
 
 
 def test_cifar10_loader_reads_pickle_batches(tmp_path):
@@ -76,6 +80,9 @@ def test_cifar10_loader_reads_pickle_batches(tmp_path):
     mean = np.array([0.4914, 0.4822, 0.4465])[:, None, None]
     std = np.array([0.2470, 0.2435, 0.2616])[:, None, None]
     np.testing.assert_allclose(data.test_x[0].numpy(), (raw - mean) / std, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(data.test_x[3].numpy(), (batches["test_batch"][b"data"][3].reshape(3, 32, 32) / 255.0
+                                                        - mean) / std, rtol=1e-5, atol=1e-5)
+    assert data.train_x.is_contiguous(memory_format=torch.channels_last) and data.train_x.stride()[1] == 1
 
 
 def test_missing_dataset_files_exit_2(bfexp, tmp_path):
