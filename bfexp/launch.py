@@ -88,6 +88,13 @@ def find_mpiexec() -> str:
     return found
 
 
+# glibc's malloc serves blocks from 128 KiB up with fresh mmaps, zeroed page by page, unless the process
+# happened to free such a block earlier (the threshold then adapts). A cnn's activations are such blocks:
+# its evaluation on MNIST-sized data took 0.95 s instead of 0.55 s per run at the default threshold.
+# Fixed here: blocks up to 32 MiB come from the heap, which keeps up to 64 MiB free before returning it.
+MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
+
+
 def rank_environment(ranks: int) -> dict[str, str]:
     """The driver's environment minus inherited MPI state, plus per-rank thread limits."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_MPI_PREFIXES)}
@@ -96,6 +103,8 @@ def rank_environment(ranks: int) -> dict[str, str]:
     threads = max(1, (os.cpu_count() or 1) // max(1, ranks))
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
+    for key, value in MALLOC_SETTINGS.items():
+        env.setdefault(key, value)
     # Open MPI's UCX one-sided component fails its probe on hosts without UCX
     # hardware and says so at every window creation; the default (rdma/sm) serves.
     env.setdefault("OMPI_MCA_osc", "^ucx")

@@ -115,7 +115,8 @@ import torch
 
 import bfexp as bf
 
-print("environment", os.environ.get("OMPI_MCA_osc"), os.environ.get("OMP_NUM_THREADS"), flush=True)
+print("environment", os.environ.get("OMPI_MCA_osc"), os.environ.get("OMP_NUM_THREADS"),
+      os.environ.get("MALLOC_MMAP_THRESHOLD_"), flush=True)
 if bf.rank() == 2:
     raise ValueError("boom on purpose")
 bf.allreduce(torch.ones(1))  # the other ranks wait here for rank 2, which never comes
@@ -136,9 +137,10 @@ def test_a_failing_rank_ends_the_job_named_with_no_orphans(tmp_path, capsys):
     assert "ValueError: boom on purpose" in (logs / "rank2.log").read_text()
     assert sorted(p.name for p in logs.glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
     assert live_processes(str(script)) == []
-    # the runner's rank environment: Open MPI's UCX one-sided probe off, cores shared out among the 4 ranks
+    # the runner's rank environment: Open MPI's UCX one-sided probe off, cores shared out among the 4 ranks,
+    # malloc's blocks up to 32 MiB from the heap
     threads = max(1, (os.cpu_count() or 1) // 4)
-    assert f"environment ^ucx {threads}" in (logs / "rank0.log").read_text()
+    assert f"environment ^ucx {threads} {32 * 1024 * 1024}" in (logs / "rank0.log").read_text()
 
     with pytest.raises(SystemExit) as end:
         run.main(["-n", "3", "--engine", "threads", "python", str(script)])
