@@ -93,13 +93,26 @@ class CNN(nn.Sequential):
         widths = _widths("model.channels", channels, nonempty=True)
         number_in("model.hidden", hidden, low=1, integer=True)
         layers: list[nn.Module] = []
-        in_ch = None  # sized by the first batch (1 for MNIST, 3 for CIFAR-10)
+        # Sized from in_shape where it says (C, H, W) or a flat square: no lazy layers, so sizing the model
+        # (the driver's dry build, on torch's meta device) runs no forward pass; else by the first batch.
+        image = _image_shape(in_shape)
+        in_ch = image[0] if image else None
         for out_ch in widths:
             conv = nn.LazyConv2d(out_ch, 3, padding=1) if in_ch is None else nn.Conv2d(in_ch, out_ch, 3, padding=1)
-            layers += [conv, nn.ReLU(), nn.MaxPool2d(2)]
+            layers += [conv, nn.ReLU(), nn.MaxPool2d(2)]  # 3x3 padded: H, W kept; the pool halves them
             in_ch = out_ch
-        super().__init__(_AsImage(math.prod(in_shape)), *layers, nn.Flatten(), nn.LazyLinear(hidden), nn.ReLU(),
+        side = (image[1] >> len(widths)) * (image[2] >> len(widths)) if image else 0
+        first = nn.Linear(widths[-1] * side, hidden) if side else nn.LazyLinear(hidden)
+        super().__init__(_AsImage(math.prod(in_shape)), *layers, nn.Flatten(), first, nn.ReLU(),
                          nn.Linear(hidden, classes))
+
+
+def _image_shape(in_shape: Sequence[int]) -> tuple[int, int, int] | None:
+    """(C, H, W) of a sample shaped (C, H, W), or (1, s, s) of a flat one of s * s features; None otherwise."""
+    if len(in_shape) == 3:
+        return int(in_shape[0]), int(in_shape[1]), int(in_shape[2])
+    side = int(round(math.sqrt(math.prod(in_shape))))
+    return (1, side, side) if len(in_shape) == 1 and side * side == in_shape[0] else None
 
 
 class _AsImage(nn.Module):

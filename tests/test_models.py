@@ -145,3 +145,24 @@ def test_models_without_input_spec_are_sized_from_the_dataset():
     # digits as 1x8x8: conv 1->16 (3x3), pool -> 4x4, conv 16->32, pool -> 2x2, 128 features -> 128 -> 10
     want = (16 * 9 + 16) + (32 * 16 * 9 + 32) + (128 * 128 + 128) + (128 * 10 + 10)
     assert parameter_count(cnn, (64,), 10) == want
+
+
+@pytest.mark.parametrize("shape, channels, by_hand", [
+    # conv 1->16 (3x3+bias), conv 16->32, linear 32*7*7 -> 128, linear 128 -> 10
+    ((1, 28, 28), (16, 32), (1 * 16 * 9 + 16) + (16 * 32 * 9 + 32) + (32 * 7 * 7 * 128 + 128) + (128 * 10 + 10)),
+    # CIFAR-sized: 3 channels in, 8x8 after two pools
+    ((3, 32, 32), (16, 32), (3 * 16 * 9 + 16) + (16 * 32 * 9 + 32) + (32 * 8 * 8 * 128 + 128) + (128 * 10 + 10)),
+    # a flat square sample (digits' 64 features) is one 8x8 channel
+    ((64,), (8,), (1 * 8 * 9 + 8) + (8 * 4 * 4 * 128 + 128) + (128 * 10 + 10)),
+    # odd sides floor at each pool: 30x17 -> 3x2 after three
+    ((3, 30, 17), (4, 8, 16), (3 * 4 * 9 + 4) + (4 * 8 * 9 + 8) + (8 * 16 * 9 + 16) + (16 * 3 * 2 * 128 + 128)
+     + (128 * 10 + 10)),
+])
+def test_cnn_is_sized_from_the_sample_shape_without_lazy_layers(shape, channels, by_hand):
+    """The cnn knows its sizes from in_shape: no lazy layer, so the driver sizes it on the meta device
+    without a forward pass; the count equals the layers' by hand and a batch runs through."""
+    node = OmegaConf.create({"_target_": "bfexp.models.CNN", "channels": list(channels)})
+    model = build_model(node, shape, 10, seed=0)
+    assert not any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules())
+    assert parameter_count(node, shape, 10) == sum(p.numel() for p in model.parameters()) == by_hand
+    assert model(torch.rand(2, *shape)).shape == (2, 10)
