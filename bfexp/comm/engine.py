@@ -794,7 +794,7 @@ class Engine(abc.ABC):
             # A repeat of a checked exchange of one tensor: the backend's set-up of it, kept, if it has one.
             key = self._patterns.key(self.topology, t, tensors.numel(), tensors.dtype)
             if not self.check_neighbors or key in self._patterns:
-                repeat = self._repeat_neighbor_allreduce(key, tensors, t)
+                repeat = self._post_repeated_neighbor_allreduce(key, tensors, t)
                 if repeat is not None:
                     pending, nbytes = repeat
                     return self._track(op, nbytes, started, *pending)
@@ -856,7 +856,7 @@ class Engine(abc.ABC):
         """This rank's part of the engine topology's round ``t`` (made once per round of its period)."""
         return self._patterns.spec(self.topology, t, lambda: self.neighbor_spec(None, None, None, t))
 
-    def _repeat_neighbor_allreduce(self, key: tuple, tensor: torch.Tensor, t: int) -> tuple[Pending, int] | None:
+    def _post_repeated_neighbor_allreduce(self, key: tuple, tensor: torch.Tensor, t: int) -> tuple[Pending, int] | None:
         """In place on ``tensor``: an exchange of the engine topology's round ``t`` already found consistent
         (``key``: ``TopologyPatterns.key``), by a set-up the backend keeps per tensor memory, with the bytes
         this rank sends; None: take the general path.

@@ -602,7 +602,7 @@ class MPIEngine(MPIHost, Engine):
         super().set_topology(topology)
         self._repeats.clear()  # set-ups of the old graph's rounds
 
-    def _repeat_neighbor_allreduce(self, key: tuple, tensor: torch.Tensor, t: int) -> tuple[Pending, int] | None:
+    def _post_repeated_neighbor_allreduce(self, key: tuple, tensor: torch.Tensor, t: int) -> tuple[Pending, int] | None:
         where = (key, tensor.data_ptr())  # key: the topology's round, numel and dtype
         plan = self._repeats.get(where)
         if plan is None:

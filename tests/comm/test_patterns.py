@@ -80,7 +80,7 @@ mpi._Repeat = Counting  # instrumentation: count the set-ups the engine keeps
 e = MPIEngine()
 r, n = e.rank, e.size
 if r == 0:  # rank 0 never takes the kept set-up: the messages must still pair with the others'
-    e._repeat_neighbor_allreduce = lambda key, tensor, t: None
+    e._post_repeated_neighbor_allreduce = lambda key, tensor, t: None
 out = {}
 e.set_topology(OnePeerExp2(n))
 flat = torch.arange(12, dtype=torch.float64) + 100.0 * r
