@@ -46,6 +46,7 @@ import collections
 import dataclasses
 import functools
 import sys
+import types
 import typing
 import warnings
 import weakref
@@ -228,6 +229,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.bucket_mb = bucket_mb
         self.global_average_every = global_average_every
         self._average: GlobalAverage | None = None  # this rank's row of J, built on first use
+        self._rounds: tuple[Any, dict[int, TopologyRound]] = (None, {})  # (topology, its rounds' weights)
         self.params: list[torch.nn.Parameter] = _unique([p for g in optimizer.param_groups for p in g["params"]])
         self.flat = flatten_parameters_(self.params)
         self.iteration = 0
@@ -356,8 +358,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if self._average is None:
                 self._average = GlobalAverage.of(self.engine.rank, self.engine.size)
             return self._average
-        w = self.topology.weights(self.engine.rank, r)
-        return TopologyRound(w.self_weight, w.src_weights, w.dst_weights, r)
+        # W(r) repeats with the topology's period: each round's weights are made once (read-only, like J's).
+        topology, rounds = self._rounds
+        if topology is not self.topology:
+            topology, rounds = self._rounds = (self.topology, {})
+        key = r % max(1, int(getattr(topology, "period", 1) or 1))
+        w = rounds.get(key)
+        if w is None:
+            w = rounds[key] = TopologyRound.of(topology.weights(self.engine.rank, key), key)
+        return w
 
     def start_mix(self, tensor: torch.Tensor, w: RankWeights, scale: float = 1.0) -> Handle:
         """Start (W X)_i in place for a row-stochastic W; ``scale`` mixes with (1-s) I + s W instead.
@@ -554,6 +563,12 @@ class TopologyRound(RankWeights):
     """This rank's row and column of the topology's W(r), and r: the engine can take them from its own topology."""
 
     round: int = 0
+
+    @classmethod
+    def of(cls, w: RankWeights, r: int) -> "TopologyRound":
+        """Round r's weights, read-only: one object serves every repeat of the round."""
+        return cls(w.self_weight, types.MappingProxyType(dict(w.src_weights)),
+                   types.MappingProxyType(dict(w.dst_weights)), r)
 
 
 @dataclass(frozen=True)
