@@ -131,7 +131,8 @@ def dry_build(cfg: Any) -> list[str]:
     from bfexp.scaling import declared_speed, missing_speed_message
     from bfexp.topology import build_topology
     from bfexp.lazy_dynamo import defer_dynamo
-    from bfexp.worker import job_kind, topology_ranks_per_machine
+    from bfexp.config import job_kind
+    from bfexp.worker import topology_ranks_per_machine
 
     defer_dynamo()  # torch.optim would import torch._dynamo (a second) only to mark code for a compiler
 
@@ -267,7 +268,7 @@ def run_job(cfg: Any) -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from bfexp.config import ConfigError, label, validate
+    from bfexp.config import ConfigError, job_kind, label, validate
 
     PHASES.mark("start: python, Hydra, compose")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -284,48 +285,58 @@ def run_job(cfg: Any) -> str:
         discard_unused(run_dir)
         _job_statuses.append("not run")
         return "not run"
-    # SystemExit passes through Hydra untouched: one line, exit 2, no ranks started.
+    # SystemExit passes through Hydra untouched: one line, exit 2, no rank started on its work.
+    early = None  # the job's ranks, started while the driver checks it (they wait for the word to go)
     try:
-        validate(cfg)
-        from bfexp.launch import check_engine, launch, resolve_engine  # imports torch: only jobs that run get here
-        from bfexp.worker import job_kind
-
-        if job_kind(cfg) != "modeled":
-            cfg, choice = resolve_engine(cfg)
-            check_engine(cfg)  # e.g. engine=nccl without a GPU
-        else:
-            choice = None
-        PHASES.mark("validate, engine choice")
-        notes = dry_build(cfg)
-        PHASES.mark("dry build: torch, components")
-    except ConfigError as e:
-        discard_unused(run_dir, sweep_dir)
-        fail(str(e))
-    for note in notes:
-        print(f"note: {note}", flush=True)
-    from bfexp.comm import engine_class
-    from bfexp.scaling import contention_note, processor_count
-
-    if job_kind(cfg) != "modeled":  # more CPU ranks than cores: measured scaling is contention
-        note = contention_note(int(cfg.ranks), processor_count(), engine_class(cfg.engine.name).device_type == "cpu")
-        if note:
-            print(f"note: {note}", flush=True)
-    title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
-    from bfexp.launch import SIGNALS, Interrupted
-    from bfexp.loggers import open_tracker
-    from bfexp.progress import ConsoleProgress, print_summary
-
-    progress = ConsoleProgress(cfg.steps, title, enabled=cfg.logger.progress, epochs=cfg.epochs)
-    with progress, open_tracker(cfg, run_dir) as tracker:
         try:
-            PHASES.mark("progress display, tracker")
-            result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),
-                            engine_choice=choice)
-            PHASES.mark("launch: the ranks, start to end")
-        except ConfigError as e:  # e.g. a checkpoint of another experiment in the folder
+            validate(cfg)
+            from bfexp.launch import EarlyRanks, check_engine, launch, resolve_engine
+
+            choice = None
+            if job_kind(cfg) != "modeled":
+                cfg, choice = resolve_engine(cfg)
+                if EarlyRanks.wanted(cfg):  # their start-up overlaps torch's import and the checks below
+                    early = EarlyRanks(cfg, run_dir)
+                    PHASES.mark("ranks started early (they wait for the checks)")
+                check_engine(cfg)  # e.g. engine=nccl without a GPU; imports torch
+            PHASES.mark("validate, engine choice")
+            notes = dry_build(cfg)
+            PHASES.mark("dry build: torch, components")
+        except ConfigError as e:
+            if early is not None:
+                early.cancel()
             discard_unused(run_dir, sweep_dir)
             fail(str(e))
-        tracker.finish(result.summary)
+        for note in notes:
+            print(f"note: {note}", flush=True)
+        from bfexp.comm import engine_class
+        from bfexp.scaling import contention_note, processor_count
+
+        if job_kind(cfg) != "modeled":  # more CPU ranks than cores: measured scaling is contention
+            note = contention_note(int(cfg.ranks), processor_count(), engine_class(cfg.engine.name).device_type == "cpu")
+            if note:
+                print(f"note: {note}", flush=True)
+        title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
+        from bfexp.launch import SIGNALS, Interrupted
+        from bfexp.loggers import open_tracker
+        from bfexp.progress import ConsoleProgress, print_summary
+
+        progress = ConsoleProgress(cfg.steps, title, enabled=cfg.logger.progress, epochs=cfg.epochs)
+        with progress, open_tracker(cfg, run_dir) as tracker:
+            try:
+                PHASES.mark("progress display, tracker")
+                result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),
+                                engine_choice=choice, early=early)
+                PHASES.mark("launch: the ranks, start to end")
+            except ConfigError as e:  # e.g. a checkpoint of another experiment in the folder
+                if early is not None:
+                    early.cancel()
+                discard_unused(run_dir, sweep_dir)
+                fail(str(e))
+            tracker.finish(result.summary)
+    finally:
+        if early is not None:
+            early.cancel()  # bad input, a signal: the waiting ranks end unseen (no-op once they ran)
     if result.status == "interrupted":
         result.summary["resume_command"] = resume_command(run_dir)
         with contextlib.suppress(OSError):

@@ -695,3 +695,10 @@ def validate(cfg: Any) -> None:
             cfg.ranks % rpm == 0,
             f"engine.ranks_per_machine={rpm} does not divide ranks={cfg.ranks}; allowed: a divisor of ranks",
         )
+
+
+def job_kind(cfg: Any) -> str:
+    """train; throughput (throughput-only timed on ranks here); modeled (a cluster that is not here: no ranks)."""
+    if not cfg.throughput_only:
+        return "train"
+    return "modeled" if cfg.scaling.modeled else "throughput"

@@ -401,30 +401,93 @@ def killed_rank(run_dir: Path) -> str | None:
     return f"rank {rank} (pid {pid} on {node}) was killed by {name}"
 
 
-def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
-    """Run one job on MPI ranks and watch it to the end: never hangs (the watchdog), never leaves a rank behind."""
+def _start_ranks(cfg: Any, run_dir: Path, log: Any, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """mpiexec (or the launcher's command) starting the job's ranks, its output into ``log``."""
+    env = launcher_environment(cfg, rank_environment(cfg.ranks)) | (env or {})
+    env.update({watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()})
+    return subprocess.Popen(
+        rank_command(cfg, run_dir),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=os.getcwd(),
+        start_new_session=True,  # one session holds mpiexec and every rank it starts
+    )
+
+
+class EarlyRanks:
+    """A job's ranks started while the driver finishes its checks (torch's import, engine and dry build).
+
+    Starting 4 Python+torch+MPI ranks takes seconds, and so does the driver's import of torch; on this
+    machine's 2 cores the two overlapped end 0.9-2 s sooner than one after the other. The ranks import,
+    start MPI and wait at a gate file (watchdog.wait_at_gate) before they read the job's config: ``go``
+    (launch_mpi, once the config is written) lets them run; ``cancel`` (bad input, a signal) ends them
+    unseen, and takes away the log folder it made, so a refused job leaves nothing, as before. A driver
+    that dies is seen by the waiting ranks, which leave. Local launcher only (the ranks watch the driver's pid).
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        import tempfile
+
+        self.run_dir = Path(run_dir)
+        logs = self.run_dir / results.LOGS_DIR
+        self._made_logs = not logs.exists()
+        logs.mkdir(parents=True, exist_ok=True)
+        self._gate_dir = Path(tempfile.mkdtemp(prefix="bfexp-gate-"))
+        self.gate = self._gate_dir / "gate"
+        self.log = open(logs / "mpiexec.log", "wb")
+        self.taken = False
+        self.proc = _start_ranks(cfg, self.run_dir, self.log, {watchdog.GATE: str(self.gate)})
+
+    @staticmethod
+    def wanted(cfg: Any) -> bool:
+        """Worth it and safe: process ranks on this machine, with torch's import still ahead of the driver."""
+        from bfexp.comm import PROCESS_ENGINES
+
+        return (cfg.engine.name in PROCESS_ENGINES and launcher_of(cfg).name == "local"
+                and "torch" not in sys.modules)
+
+    def go(self) -> None:
+        self.taken = True  # launch_mpi watches and ends them from here on
+        results.write_text_atomic(self.gate, "go")
+
+    def close(self) -> None:
+        """After the job: the gate's folder goes (the log is the job's)."""
+        self.log.close()
+        shutil.rmtree(self._gate_dir, ignore_errors=True)
+
+    def cancel(self) -> None:
+        """End the waiting ranks and remove what starting them made (nothing once they were told to go)."""
+        if self.taken:
+            return
+        self.taken = True
+        _terminate(self.proc)
+        self.close()
+        if self._made_logs:
+            shutil.rmtree(self.run_dir / results.LOGS_DIR, ignore_errors=True)
+
+
+def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None,
+               early: EarlyRanks | None = None) -> JobResult:
+    """Run one job on MPI ranks and watch it to the end: never hangs (the watchdog), never leaves a rank behind.
+    ``early``: the job's ranks, already started and waiting for the word to go."""
     run_dir = Path(run_dir)
     (run_dir / results.LOGS_DIR).mkdir(parents=True, exist_ok=True)
     write_job_config(cfg, run_dir)
-    command = rank_command(cfg, run_dir)
-    env = launcher_environment(cfg, rank_environment(cfg.ranks))
-    env.update({watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()})
     tail = results.JsonlTail(run_dir / results.METRICS)
     watch = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
     started = time.monotonic()
     failure_seen_at: float | None = None
     reason: str | None = None
-    with open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb") as log, SIGNALS.job() as signals:
+    log = early.log if early is not None else open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb")
+    with contextlib.closing(log), SIGNALS.job() as signals:
         ending = Ending(cfg, run_dir, watch, signals)
-        proc = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=os.getcwd(),
-            start_new_session=True,  # one session holds mpiexec and every rank it starts
-        )
+        if early is not None:
+            proc = early.proc
+            early.go()
+        else:
+            proc = _start_ranks(cfg, run_dir, log)
         try:
             while proc.poll() is None:
                 time.sleep(0.1)
@@ -443,6 +506,8 @@ def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None
                     break  # a rank failed and the rest did not go down with it
         finally:
             _terminate(proc)
+            if early is not None:
+                early.close()
     for record in tail.read_new():
         if on_record:
             on_record(record)
@@ -893,13 +958,15 @@ def resolve_engine(cfg: Any) -> tuple[Any, str | None]:
 
 
 def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None,
-           engine_choice: str | None = None) -> JobResult:
+           engine_choice: str | None = None, early: EarlyRanks | None = None) -> JobResult:
     """Run one job with the engine its config names (engine=auto: the one it chooses).
 
-    ``engine_choice`` is the sentence of a caller that already resolved engine=auto (kept in the summary).
+    ``engine_choice`` is the sentence of a caller that already resolved engine=auto (kept in the summary);
+    ``early``: the job's ranks a caller started while it checked the job (then the engine is mpi or nccl).
     """
     from bfexp.comm import engine_class
-    from bfexp.worker import job_kind, modeled
+    from bfexp.config import job_kind
+    from bfexp.worker import modeled
 
     run_dir = Path(run_dir)
     if job_kind(cfg) == "modeled":  # a cluster that is not here: the cost model answers, no rank starts
@@ -919,7 +986,7 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
     with SIGNALS.job():  # a signal from here on stops the ranks; the summary is written before it can end us
         reserve_space(run_dir)
         if engine_class(cfg.engine.name).processes:  # mpi; nccl: one MPI rank per GPU, MPI only bootstraps
-            result = launch_mpi(cfg, run_dir, on_record)
+            result = launch_mpi(cfg, run_dir, on_record, early)
         else:
             result = launch_threads(cfg, run_dir, on_record)
         if choice and result.summary:

@@ -50,6 +50,8 @@ DUMP_SIGNAL = signal.SIGUSR2
 DRIVER_PID = "BFEXP_DRIVER_PID"
 DRIVER_HOST = "BFEXP_DRIVER_HOST"
 PROCESS_ONLY_MODES = ("kill", "freeze")  # a virtual rank is a thread: these would hit the whole driver
+# Ranks started while the driver finishes its checks wait for this file to say "go" (or "stop").
+GATE = "BFEXP_GATE"
 
 _COMM = str(Path(__file__).resolve().parent / "comm") + os.sep
 _ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
@@ -166,6 +168,28 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def wait_at_gate(poll_s: float = 0.02) -> bool:
+    """A rank started before the driver's last checks (launch.EarlyRanks): start MPI, then wait for the
+    driver's word. True: go on (the job's config is written); False: the driver refused the job, or is gone
+    (killed): leave, having read and written nothing. A rank started without a gate goes on at once."""
+    gate = os.environ.get(GATE)
+    if not gate:
+        return True
+    from mpi4py import MPI  # noqa: F401  its start-up (a second for 4 ranks) overlaps the driver's checks
+
+    driver = int(os.environ.get(DRIVER_PID, "0") or 0)
+    while True:
+        try:
+            word = Path(gate).read_text()
+        except OSError:  # not written yet
+            word = ""
+        if word == "go":
+            return True
+        if word == "stop" or (driver and not _alive(driver)):
+            return False
+        time.sleep(poll_s)
 
 
 def beat(step: int) -> None:

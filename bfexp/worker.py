@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from bfexp import checkpoint, config, probes, results, scaling, watchdog
+from bfexp.config import job_kind
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, RankData
@@ -626,13 +627,6 @@ def modeled(cfg: Any, run_dir: Path) -> dict:
 JOBS: dict[str, Callable[[Any, Engine, Path], Any] | None] = {"train": train, "throughput": throughput_only, "modeled": None}
 
 
-def job_kind(cfg: Any) -> str:
-    """train; throughput (throughput-only timed on ranks here); modeled (a cluster that is not here: no ranks)."""
-    if not cfg.throughput_only:
-        return "train"
-    return "modeled" if cfg.scaling.modeled else "throughput"
-
-
 def topology_ranks_per_machine(cfg: Any) -> int:
     """How ranks sit on machines for the topology: the engine's layout, and for a modeled
     cluster the scaling config's machines (0 = one machine)."""
@@ -700,9 +694,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     defer_dynamo()
     run_dir = Path(argv[0])
+    PHASES.mark("start: python, torch and bfexp imports")
+    if not watchdog.wait_at_gate():  # started early: the driver refused the job, or is gone
+        os._exit(0)  # nothing done, nothing to keep; no MPI finalize (its fence would wait on the other ranks)
+    PHASES.mark("MPI init; the driver's checks, if started early")
     cfg = OmegaConf.load(run_dir / results.CONFIG)
     engine_cls = engine_class(cfg.engine.name)  # mpi, or nccl: one rank per GPU, its unique id over MPI
-    PHASES.mark("start: python, MPI init, torch and bfexp imports")
     engine = engine_cls(**engine_options(cfg, engine_cls))
     PHASES.mark("engine: communicators")
     _redirect_output(run_dir, engine.rank)

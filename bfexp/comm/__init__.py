@@ -16,7 +16,7 @@ from bfexp.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from bfexp.comm.engine import Engine
 
-__all__ = ["ENGINES", "engine_class"]
+__all__ = ["ENGINES", "PROCESS_ENGINES", "engine_class"]
 
 # engine name -> (module, class); the modules are imported on demand.
 ENGINES = {
@@ -24,6 +24,10 @@ ENGINES = {
     "nccl": ("bfexp.comm.nccl", "NCCLEngine"),
     "threads": ("bfexp.comm.threads", "ThreadsEngine"),
 }
+
+# The engines whose ranks are processes (their classes' ``processes``), known without importing them
+# (that imports torch): the driver starts such ranks while it finishes its checks.
+PROCESS_ENGINES = frozenset({"mpi", "nccl"})
 
 
 def engine_class(name: str) -> "type[Engine]":

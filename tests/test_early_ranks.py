@@ -1,0 +1,154 @@
+"""Ranks started while the driver finishes its checks (launch.EarlyRanks, watchdog.wait_at_gate).
+
+The driver starts a job's process ranks right after composing and validating its config, so their
+start-up (Python, torch, MPI) overlaps the driver's import of torch and its dry build. They wait at a
+gate: a job that passes the checks tells them to go; a refused one ends them unseen (exit 2, one line, no
+folder left, no process left); a driver that dies is seen by the waiting ranks, which leave.
+Real mpiexec and ranks throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bfexp import watchdog
+from tests.conftest import REPO
+
+
+def gate_processes(marker: str) -> list[int]:
+    """Live processes whose environment names this gate (the early ranks and their mpiexec)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{entry.name}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in env and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_gate_says_go_stop_or_driver_gone(tmp_path, monkeypatch):
+    """A rank at the gate waits for the word; "go" lets it on, "stop" or a dead driver sends it away;
+    a rank started without a gate goes on at once."""
+    monkeypatch.delenv(watchdog.GATE, raising=False)
+    assert watchdog.wait_at_gate() is True
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(watchdog.GATE, str(gate))
+    monkeypatch.setenv(watchdog.DRIVER_PID, str(os.getpid()))
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(watchdog.wait_at_gate()))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and got == []  # no word yet: it waits
+    gate.write_text("go")
+    waiter.join(5)
+    assert got == [True]
+    gate.write_text("stop")
+    assert watchdog.wait_at_gate() is False
+    gate.unlink()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv(watchdog.DRIVER_PID, str(dead.pid))  # reaped: no such process any more
+    assert watchdog.wait_at_gate() is False
+
+
+def test_a_job_refused_after_its_ranks_started_leaves_nothing(bfexp, monkeypatch):
+    """The data set's files are checked by the dry build, after the ranks were started: exit 2, one line,
+    no run folder, no rank or mpiexec left."""
+    monkeypatch.setenv("TMPDIR", str(bfexp.cwd))  # the gate folder lands here: its path marks the job's processes
+    proc = bfexp("engine=mpi", "ranks=4", "dataset=mnist", f"dataset.root={bfexp.cwd}/nothing",
+                 "hydra.run.dir=run", "--verbose")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "dataset.root=" in lines[0], proc.stderr
+    assert not (bfexp.cwd / "run").exists()
+    assert list(bfexp.cwd.glob("bfexp-gate-*")) == []
+    assert gate_processes(str(bfexp.cwd)) == []
+
+
+def test_a_job_started_early_runs_and_says_so(bfexp):
+    proc = bfexp("engine=mpi", "ranks=2", "steps=5", "log_every=5", "baseline_steps=0", "hydra.run.dir=run",
+                 "--verbose")
+    assert proc.returncode == 0, proc.stderr
+    assert "driver: ranks started early (they wait for the checks)" in proc.stdout
+    assert "rank 0: MPI init; the driver's checks, if started early" in proc.stdout
+    assert (bfexp.cwd / "run" / "summary.json").exists() and (bfexp.cwd / "run" / "logs" / "mpiexec.log").exists()
+
+
+DRIVER = """
+import sys, time
+from hydra import compose, initialize_config_module
+from bfexp.config import register_configs
+from bfexp.launch import EarlyRanks
+register_configs()
+with initialize_config_module(config_module="bfexp.conf", version_base=None):
+    cfg = compose(config_name="config", overrides=["engine=mpi", "ranks=3"])
+early = EarlyRanks(cfg, sys.argv[1])
+print(early.proc.pid, early.gate, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["cancel", "driver killed"])
+def test_waiting_ranks_end_when_cancelled_or_when_the_driver_dies(tmp_path, how):
+    """Started and waiting: cancel() ends them and takes its log folder away; a SIGKILLed driver
+    (nobody to cancel) is noticed by the ranks, which leave, and mpiexec with them."""
+    run_dir = tmp_path / "run"
+    if how == "cancel":
+        from hydra import compose, initialize_config_module
+
+        from bfexp.config import register_configs
+        from bfexp.launch import EarlyRanks
+
+        register_configs()
+        with initialize_config_module(config_module="bfexp.conf", version_base=None):
+            cfg = compose(config_name="config", overrides=["engine=mpi", "ranks=3"])
+        early = EarlyRanks(cfg, run_dir)
+        marker = str(early.gate)
+        deadline = time.monotonic() + 60
+        while len(gate_processes(marker)) < 4 and time.monotonic() < deadline:  # mpiexec + 3 ranks
+            time.sleep(0.1)
+        assert len(gate_processes(marker)) >= 4
+        early.cancel()
+        assert gate_processes(marker) == []
+        assert not (run_dir / "logs").exists() and not Path(marker).parent.exists()
+        return
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, start_new_session=True)
+    try:
+        _, marker = driver.stdout.readline().split()
+        deadline = time.monotonic() + 60
+        while len(gate_processes(marker)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(gate_processes(marker)) >= 4
+        time.sleep(2)  # let the ranks reach the gate (imports, MPI) or not: either way they must go
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+        deadline = time.monotonic() + 60
+        while gate_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gate_processes(marker) == [], "ranks outlived their driver"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_process_engines_are_the_engines_whose_ranks_are_processes():
+    """The driver decides before importing any engine (that imports torch); the classes say the same."""
+    from bfexp.comm import ENGINES, PROCESS_ENGINES, engine_class
+
+    assert PROCESS_ENGINES == {name for name in ENGINES if engine_class(name).processes}
