@@ -66,6 +66,7 @@ RESERVE_BYTES = 64 * 1024
 # algorithm's buffers.
 PROCESS_RANK_BYTES = 250 * 2**20
 THREAD_RANK_BYTES = 2 * 2**20
+EARLY_SLOTS_FACTOR = 4  # ranks started before the checks: at most this many per processor slot
 MODEL_COPIES = 4
 
 
@@ -442,11 +443,16 @@ class EarlyRanks:
 
     @staticmethod
     def wanted(cfg: Any) -> bool:
-        """Worth it and safe: process ranks on this machine, with torch's import still ahead of the driver."""
+        """Worth it and safe: process ranks on this machine, with torch's import still ahead of the driver,
+        and few enough that they surely fit (the memory check comes with the dry build, after this: ranks=1000
+        engine=mpi must be refused there, not found out by starting them)."""
         from bfexp.comm import PROCESS_ENGINES
 
-        return (cfg.engine.name in PROCESS_ENGINES and launcher_of(cfg).name == "local"
-                and "torch" not in sys.modules)
+        if cfg.engine.name not in PROCESS_ENGINES or launcher_of(cfg).name != "local" or "torch" in sys.modules:
+            return False
+        ranks, memory = int(cfg.ranks), available_memory()
+        return ranks <= EARLY_SLOTS_FACTOR * processor_slots() and (
+            memory is not None and ranks * PROCESS_RANK_BYTES * 2 <= memory)
 
     def go(self) -> None:
         self.taken = True  # launch_mpi watches and ends them from here on

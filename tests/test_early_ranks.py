@@ -152,3 +152,28 @@ def test_process_engines_are_the_engines_whose_ranks_are_processes():
     from bfexp.comm import ENGINES, PROCESS_ENGINES, engine_class
 
     assert PROCESS_ENGINES == {name for name in ENGINES if engine_class(name).processes}
+
+
+def test_only_few_local_process_ranks_start_before_the_checks(monkeypatch):
+    """Ranks start early only where they surely fit and the driver still has torch's import ahead:
+    ranks=1000 engine=mpi must meet the memory check, not be started."""
+    from hydra import compose, initialize_config_module
+
+    from bfexp.config import register_configs
+    from bfexp.launch import EARLY_SLOTS_FACTOR, EarlyRanks, processor_slots
+
+    register_configs()
+
+    def cfg(*overrides: str):
+        with initialize_config_module(config_module="bfexp.conf", version_base=None):
+            return compose(config_name="config", overrides=list(overrides))
+
+    limit = EARLY_SLOTS_FACTOR * processor_slots()
+    assert not EarlyRanks.wanted(cfg("engine=mpi", "ranks=2"))  # torch is loaded in this process
+    monkeypatch.delitem(sys.modules, "torch")  # as in a fresh driver (restored after the test)
+    assert EarlyRanks.wanted(cfg("engine=mpi", "ranks=2"))
+    assert EarlyRanks.wanted(cfg("engine=mpi", f"ranks={limit}"))
+    assert not EarlyRanks.wanted(cfg("engine=mpi", f"ranks={limit + 1}"))
+    assert not EarlyRanks.wanted(cfg("engine=mpi", "ranks=1000"))
+    assert not EarlyRanks.wanted(cfg("engine=threads", "ranks=2"))
+    assert not EarlyRanks.wanted(cfg("engine=mpi", "ranks=2", "launcher=mpirun", "launcher.hosts=localhost:2"))
