@@ -187,7 +187,12 @@ def wait_at_gate(poll_s: float = 0.02) -> bool:
             word = ""
         if word == "go":
             return True
-        if word == "stop" or (driver and not _alive(driver)):
+        if word == "stop":
+            return False
+        if driver and not _alive(driver):  # killed: nobody else will take its gate's folder away
+            import shutil
+
+            shutil.rmtree(Path(gate).parent, ignore_errors=True)
             return False
         time.sleep(poll_s)
 
