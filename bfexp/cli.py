@@ -287,6 +287,13 @@ def run_job(cfg: Any) -> str:
         return "not run"
     # SystemExit passes through Hydra untouched: one line, exit 2, no rank started on its work.
     early = None  # the job's ranks, started while the driver checks it (they wait for the word to go)
+
+    def refuse(e: ConfigError) -> NoReturn:
+        if early is not None:
+            early.cancel()  # first: the log folder its start made goes, so discard_unused finds Hydra's alone
+        discard_unused(run_dir, sweep_dir)
+        fail(str(e))
+
     try:
         try:
             validate(cfg)
@@ -303,10 +310,7 @@ def run_job(cfg: Any) -> str:
             notes = dry_build(cfg)
             PHASES.mark("dry build: torch, components")
         except ConfigError as e:
-            if early is not None:
-                early.cancel()
-            discard_unused(run_dir, sweep_dir)
-            fail(str(e))
+            refuse(e)
         for note in notes:
             print(f"note: {note}", flush=True)
         from bfexp.comm import engine_class
@@ -329,10 +333,7 @@ def run_job(cfg: Any) -> str:
                                 engine_choice=choice, early=early)
                 PHASES.mark("launch: the ranks, start to end")
             except ConfigError as e:  # e.g. a checkpoint of another experiment in the folder
-                if early is not None:
-                    early.cancel()
-                discard_unused(run_dir, sweep_dir)
-                fail(str(e))
+                refuse(e)
             tracker.finish(result.summary)
     finally:
         if early is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -190,8 +191,6 @@ def wait_at_gate(poll_s: float = 0.02) -> bool:
         if word == "stop":
             return False
         if driver and not _alive(driver):  # killed: nobody else will take its gate's folder away
-            import shutil
-
             shutil.rmtree(Path(gate).parent, ignore_errors=True)
             return False
         time.sleep(poll_s)

@@ -362,7 +362,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         topology, rounds = self._rounds
         if topology is not self.topology:
             topology, rounds = self._rounds = (self.topology, {})
-        key = r % max(1, int(getattr(topology, "period", 1) or 1))
+        key = r % topology.period
         w = rounds.get(key)
         if w is None:
             w = rounds[key] = TopologyRound.of(topology.weights(self.engine.rank, key), key)

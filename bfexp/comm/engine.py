@@ -805,7 +805,7 @@ class Engine(abc.ABC):
             return self._track(op, nbytes, started, lambda: call.combine(spec, {}), None, **call.meta)
         decl = None
         if self.check_neighbors:
-            given = self_weight is None and src_weights is None and dst_weights is None and not self.virtual
+            given = given_weights and not self.virtual
             key = self._patterns.key(self.topology, t, call.numel, call.dtype) if given else None
             if key is None or key not in self._patterns:  # virtual ranks' exchange is their check: always declare
                 decl = Declaration(op, self.size, spec.src_weights, spec.dst_weights, call.numel, call.dtype,
