@@ -7,6 +7,7 @@ line on stderr and exit code 2, before any rank starts.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import faulthandler
 import os
@@ -241,6 +242,76 @@ def resume_arguments(args: list[str]) -> list[str]:
     kept = [str(o) for o in list(saved.hydra) + list(saved.task)
             if override_key(str(o)) not in own | {"hydra.run.dir", "hydra.sweep.dir", "hydra.mode"}]
     return [*mode, *rest, *kept, f"{key}={quote(str(folder))}"]
+
+
+def hydra_argument_order(args: list[str]) -> list[str]:
+    """The arguments in the one order Hydra's command line accepts: the overrides first, then the
+    flags, each with its own value(s), e.g. ``a=1 -m b=1,2`` becomes ``a=1 b=1,2 -m``.
+
+    Hydra 1.3's parser takes the overrides as one argparse positional (``nargs="*"``) that ends at
+    the first flag, so overrides on both sides of ``-m``, ``--cfg job`` or ``-cd DIR`` are refused
+    ("unrecognized arguments"; Hydra issue #3053). How many values a flag takes is read from
+    Hydra's own parser: an option with a value takes the next token unless it has one attached
+    (``--config-dir=DIR``, ``-cjob``), a switch takes none, ``--info [what]`` the next token only
+    when it is one of its choices (``--info a=1``: a=1 is an override). An unknown flag goes with
+    the flags, where argparse names it; after ``--`` every token is an override.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    options = get_args_parser()._option_string_actions
+    overrides: list[str] = []
+    flags: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if token == "--":
+            overrides += args[i:]
+            break
+        if not token.startswith("-") or token == "-":
+            overrides.append(token)
+            continue
+        flags.append(token)
+        action, attached = _hydra_option(token, options)
+        if action is None or attached:
+            continue
+        if action.nargs == "?":
+            count = int(i < len(args) and args[i] in (action.choices or ()))
+        elif action.nargs in ("*", "+"):  # none in Hydra 1.3: its values run to the next flag
+            count = next((j for j in range(i, len(args)) if args[j].startswith("-")), len(args)) - i
+        else:
+            count = 1 if action.nargs is None else int(action.nargs)
+        flags += args[i:i + count]
+        i += count
+    return overrides + flags
+
+
+def _hydra_option(token: str, options: dict[str, argparse.Action]) -> tuple[argparse.Action | None, bool]:
+    """The action of Hydra's parser that a flag names, as argparse finds it (exact, ``--flag=value``,
+    a short flag with its value attached, an unambiguous prefix of a long flag), and whether the
+    token carries its value. (None, False) for a flag Hydra does not know."""
+    if token in options:
+        return options[token], False
+    name, equals, _ = token.partition("=")
+    if equals and name in options:
+        return options[name], True
+    if not token.startswith("--") and token[:2] in options:  # -cjob
+        return options[token[:2]], True
+    if token.startswith("--"):
+        matches = {options[o] for o in options if o.startswith(name)}
+        if len(matches) == 1:
+            return matches.pop(), bool(equals)
+    return None, False
+
+
+def refuse_bad_flags(args: list[str]) -> None:
+    """What Hydra's parser refuses (a flag it does not know, a value outside a flag's choices) ends
+    here in one line, exit 2, instead of Hydra's usage over ten lines; ``args`` as Hydra gets them."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.error = lambda message: fail(f"{message}; Hydra's flags: bfexp --hydra-help")  # type: ignore[method-assign]
+    parser.parse_args(args)
 
 
 def resume_command(run_dir: Path) -> str:
@@ -483,7 +554,8 @@ def command(args: list[str]) -> None:
 
     SIGNALS.install()  # SIGINT/SIGTERM/SIGUSR1: a running job stops at a checkpoint, otherwise we end here
     try:
-        sys.argv[1:] = resume_arguments(args)
+        sys.argv[1:] = hydra_argument_order(resume_arguments(args))
+        refuse_bad_flags(sys.argv[1:])
         _hydra_entry()
     except Interrupted as e:
         interrupted_early(e.signum)
@@ -492,6 +564,10 @@ def command(args: list[str]) -> None:
         if debug:
             raise
         _discard_sweep_folder()
+        fail(one_line(e))
+    except ValueError as e:  # Hydra's checks of its flags before any job, e.g. -m with --cfg
+        if debug or "run_dir" in _current or "planned" in _current:
+            raise
         fail(one_line(e))
     except OSError as e:
         if debug or "run_dir" in _current:  # a job was under way: not the output folder's fault

@@ -1,0 +1,406 @@
+"""Overrides on both sides of Hydra's flags, and every command line the README shows.
+
+Hydra 1.3's command line is argparse with the overrides as one positional that ends at the first
+flag, so `bfexp algorithm=exact_diffusion topology=exp2 -m ranks=8,32,128` (the README's first
+line) was refused ("unrecognized arguments: ranks=8,32,128"; Hydra issue #3053). bfexp puts the
+overrides first and the flags after them (`cli.hydra_argument_order`) before Hydra parses.
+
+The README sweep runs every `bfexp ...` line of README.md through the CLI's own entry
+(`bfexp.cli.command`) in ONE interpreter with the job function replaced by one that records each
+composed job: Hydra parses the line, composes every job of a sweep (the Slurm launcher's jobs too,
+launched here instead of submitted), and nothing runs. (`--cfg job` cannot check a sweep: Hydra
+refuses `-m` with `--cfg`.) The headline sweep also runs for real, with tiny settings, through the
+installed `bfexp`, and `bfexp-report`'s README lines run on its folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bfexp.cli import hydra_argument_order
+from tests.conftest import REPO
+
+BIN = Path(sys.executable).parent  # the venv's bin/: the installed console scripts
+HEADLINE = "bfexp algorithm=exact_diffusion topology=exp2 -m ranks=8,32,128"
+
+# A data set of the user's own, as README's `bfexp --config-dir myconf dataset=blobs` names it.
+FILES = {"myconf/dataset/blobs.yaml": "_target_: mylab.Blobs\ncenters: 3\n"}
+
+
+def installed(command: str, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The console script `command` of this venv, as a user runs it."""
+    env = dict(os.environ)
+    env.pop("BFEXP_DEBUG", None)
+    return subprocess.run([str(BIN / command), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+# --- the reordering itself ---------------------------------------------------------------------
+
+ORDER_CASES = [
+    (["algorithm=exact_diffusion", "topology=exp2", "-m", "ranks=8,32,128"],
+     ["algorithm=exact_diffusion", "topology=exp2", "ranks=8,32,128", "-m"]),
+    (["seed=1", "--cfg", "job", "steps=2"], ["seed=1", "steps=2", "--cfg", "job"]),
+    (["seed=1", "-m", "steps=1,2", "lr=0.3"], ["seed=1", "steps=1,2", "lr=0.3", "-m"]),
+    (["--multirun", "steps=1,2", "seed=1"], ["steps=1,2", "seed=1", "--multirun"]),
+    (["steps=1,2", "-m"], ["steps=1,2", "-m"]),
+    (["-c", "job", "seed=1"], ["seed=1", "-c", "job"]),
+    (["-cjob", "seed=1"], ["seed=1", "-cjob"]),
+    (["--cfg=hydra", "seed=1", "--resolve", "steps=2"], ["seed=1", "steps=2", "--cfg=hydra", "--resolve"]),
+    (["--config-dir=my/conf", "dataset=blobs", "-m", "seed=1,2"],
+     ["dataset=blobs", "seed=1,2", "--config-dir=my/conf", "-m"]),
+    (["--config-dir", "conf=v2", "dataset=blobs"], ["dataset=blobs", "--config-dir", "conf=v2"]),
+    (["--config-dir=a=b", "seed=1"], ["seed=1", "--config-dir=a=b"]),
+    (["-cd", "myconf", "dataset=blobs", "-m", "seed=1,2"], ["dataset=blobs", "seed=1,2", "-cd", "myconf", "-m"]),
+    (["-cn", "other", "-cp", "pkg://x", "a=1"], ["a=1", "-cn", "other", "-cp", "pkg://x"]),
+    (["a=1", "-p", "algorithm", "--cfg", "job", "b=2"], ["a=1", "b=2", "-p", "algorithm", "--cfg", "job"]),
+    (["--info", "a=1"], ["a=1", "--info"]),
+    (["a=1", "--info", "defaults", "b=2"], ["a=1", "b=2", "--info", "defaults"]),
+    (["-i", "searchpath", "a=1"], ["a=1", "-i", "searchpath"]),
+    (["--info=config", "a=1"], ["a=1", "--info=config"]),
+    (["--shell-completion", "install=bash"], ["install=bash", "--shell-completion"]),
+    (["-sc", "query=bash", "a=1"], ["query=bash", "a=1", "-sc"]),
+    (["--hydra-help"], ["--hydra-help"]),
+    (["--multi", "a=1,2"], ["a=1,2", "--multi"]),  # argparse takes an unambiguous prefix
+    (["a=1", "--bogus", "b=2"], ["a=1", "b=2", "--bogus"]),
+    (["a=1", "--", "b=2"], ["a=1", "b=2"]),
+    (["+experiment=comm_efficient", "-m", "~topology.graph.radius", "++seed=2"],
+     ["+experiment=comm_efficient", "~topology.graph.radius", "++seed=2", "-m"]),
+    ([], []),
+]
+
+
+@pytest.mark.parametrize("args, expected", ORDER_CASES, ids=[" ".join(a) or "empty" for a, _ in ORDER_CASES])
+def test_hydra_argument_order(args, expected):
+    from hydra._internal.utils import get_args_parser
+
+    ordered = hydra_argument_order(args)
+    assert ordered == expected
+    assert hydra_argument_order(ordered) == ordered  # already in Hydra's order: unchanged
+    if "--bogus" not in args:  # Hydra's parser reads every override: those before the first flag
+        first_flag = next((n for n, t in enumerate(expected) if t.startswith("-")), len(expected))
+        assert get_args_parser().parse_args(ordered).overrides == expected[:first_flag]
+
+
+# --- the real command, in a subprocess ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def headline_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The README's first line, for real with tiny settings (engine=threads, 5 steps, ranks 2 and 4):
+    overrides on both sides of -m, through the installed `bfexp`, into the folder README's
+    bfexp-report line names."""
+    cwd = tmp_path_factory.mktemp("headline")
+    proc = installed("bfexp", "algorithm=exact_diffusion", "topology=exp2", "engine=threads", "-m", "ranks=2,4",
+                     "steps=5", "report=false", "hydra.sweep.dir=multirun/2026-01-01/12-00-00", cwd=cwd)
+    return cwd, proc
+
+
+def test_headline_sweep_runs_both_jobs(headline_sweep):
+    cwd, proc = headline_sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = cwd / "multirun/2026-01-01/12-00-00"
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name.split("_")[0] for p in jobs] == ["0", "1"]
+    summaries = [json.loads((p / "summary.json").read_text()) for p in jobs]
+    assert [s["status"] for s in summaries] == ["completed", "completed"]
+    assert [s["ranks"] for s in summaries] == [2, 4]
+    assert {s["algorithm"] for s in summaries} == {"exact_diffusion"} and {s["topology"] for s in summaries} == {"exp2"}
+
+
+@pytest.mark.parametrize("args", [
+    ["seed=1", "-m", "steps=1,2", "lr=0.3", "--cfg", "job"],
+    shlex.split(HEADLINE)[1:] + ["--cfg", "job"],
+])
+def test_sweep_with_cfg_job_is_hydras_one_line_refusal(bfexp, args):
+    """Hydra 1.3 refuses -m with --cfg (its own check, after parsing): one line, exit 2, not a traceback
+    and not "unrecognized arguments"."""
+    proc = bfexp(*args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == ("bfexp: error: Only one of --run, --multirun, --cfg, --info and --shell_completion "
+                        "can be specified")
+
+
+@pytest.mark.parametrize("args", [
+    ["seed=1", "--cfg", "job", "steps=2"],
+    ["--cfg", "job", "seed=1", "steps=2"],
+    ["seed=1", "steps=2", "--cfg", "job"],
+    ["seed=1", "-c", "job", "steps=2"],
+    ["seed=1", "--cfg=job", "steps=2"],
+])
+def test_overrides_on_both_sides_of_cfg_job(bfexp, args):
+    proc = bfexp(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^seed: 1$", proc.stdout, re.M) and re.search(r"^steps: 2$", proc.stdout, re.M), proc.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["-cd", "myconf", "dataset=blobs", "--cfg", "job", "seed=3"],
+    ["dataset=blobs", "--config-dir", "myconf", "seed=3", "--cfg", "job"],
+    ["dataset=blobs", "--config-dir=myconf", "--cfg", "job", "seed=3"],
+])
+def test_config_dir_among_overrides(bfexp, args):
+    for path, text in FILES.items():
+        (bfexp.cwd / path).parent.mkdir(parents=True, exist_ok=True)
+        (bfexp.cwd / path).write_text(text)
+    proc = bfexp(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "_target_: mylab.Blobs" in proc.stdout and re.search(r"^seed: 3$", proc.stdout, re.M), proc.stdout
+
+
+def test_info_defaults_with_overrides_on_both_sides(bfexp):
+    proc = bfexp("algorithm=allreduce", "--info", "defaults", "topology=ring")
+    assert proc.returncode == 0, proc.stderr
+    assert "algorithm/allreduce" in proc.stdout and "topology/ring" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--bogus"], "unrecognized arguments: --bogus;"),
+    (["seed=1", "--bogus", "steps=2"], "unrecognized arguments: --bogus;"),
+    (["seed=1", "--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
+    (["seed=1", "--config"], "ambiguous option: --config could match"),
+])
+def test_bad_flag_is_one_line_exit_2(bfexp, args, named):
+    proc = bfexp(*args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("bfexp: error: ") and named in lines[0], lines[0]
+    assert not (bfexp.cwd / "outputs").exists()
+
+
+def test_shell_completion_install_bash_as_before(bfexp):
+    """`bfexp --shell-completion install=bash` (README): install=bash is the value of Hydra's query, an override."""
+    outputs = [bfexp(*args) for args in (["--shell-completion", "install=bash"], ["install=bash", "-sc"])]
+    for proc in outputs:
+        assert proc.returncode == 0, proc.stderr
+        assert "hydra_bash_completion()" in proc.stdout and "complete -o nospace" in proc.stdout
+    assert outputs[0].stdout == outputs[1].stdout
+
+
+def test_hydra_help(bfexp):
+    proc = bfexp("--hydra-help")
+    assert proc.returncode == 0 and "--multirun" in proc.stdout, proc.stderr
+
+
+# --- bfexp-report: options on both sides of the folder -----------------------------------------
+
+
+def readme_report_lines() -> list[str]:
+    return [line.split("#")[0].strip() for line in (REPO / "README.md").read_text().splitlines()
+            if re.match(r"\s+(\.venv/bin/)?bfexp-report ", line)]
+
+
+def test_bfexp_report_readme_lines_and_options_on_both_sides(headline_sweep):
+    cwd, proc = headline_sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = "multirun/2026-01-01/12-00-00"
+    run = sorted(p for p in (cwd / sweep).iterdir() if p.is_dir())[0]
+    shutil.copytree(run, cwd / "outputs/2026-01-01/12-00-00")  # README's second line reads outputs/
+    lines = readme_report_lines()
+    assert len(lines) == 2 and sweep in lines[0] and "--out my_report" in lines[1], lines
+    for line in lines:  # as the README writes them (with plots)
+        report = installed("bfexp-report", *shlex.split(line)[1:], cwd=cwd)
+        assert report.returncode == 0, (line, report.stderr)
+    assert (cwd / sweep / "report.csv").is_file() and (cwd / "my_report/report.csv").is_file()
+    for n, args in enumerate([["--out", "r0", "--no-plots", sweep], ["--no-plots", sweep, "--out", "r1"],
+                              [sweep, "--no-plots", "--out=r2"]]):
+        report = installed("bfexp-report", *args, cwd=cwd)
+        assert report.returncode == 0, (args, report.stderr)
+        assert (cwd / f"r{n}" / "report.csv").is_file() and not list((cwd / f"r{n}").glob("*.png"))
+
+
+# --- every bfexp command line of the README, composed in one interpreter -----------------------
+
+# Commands of README.md that cannot be run as written: their placeholders name nothing.
+SKIPPED = {
+    "bfexp resume=<run folder>": "placeholder <run folder>; resume=DIR is checked by resume-sweep-with-a-flag",
+    "bfexp resume=<sweep folder>": "placeholder <sweep folder>; resume=DIR is checked by resume-sweep-with-a-flag",
+    "bfexp resume=<folder>": "placeholder <folder>",
+    "bfexp -m ...": "placeholder ... (the overrides of an earlier sweep)",
+    "bfexp --verbose ...": "placeholder ... (any overrides)",
+}
+
+
+def readme_commands() -> list[tuple[int, str]]:
+    """(line number, command) for every `bfexp` command in README.md: lines of code blocks (indented
+    or fenced) that start with `bfexp` or `.venv/bin/bfexp` (a `\\` continues them on the next line),
+    and inline code spans in the prose that hold one (spans may wrap)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    starts = re.compile(r"(?:\.venv/bin/)?bfexp(?:\s|$)")
+    found, prose, fenced, i = [], [], False, 0
+    while i < len(lines):
+        line, i = lines[i], i + 1
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and not line.startswith("    "):
+            prose.append(line)
+            continue
+        prose.append("")  # code: not prose, the line numbers stay
+        command, number = line.strip().removeprefix("$ "), i
+        if not starts.match(command):
+            continue
+        while command.endswith("\\") and i < len(lines):
+            command, i = command[:-1] + " " + lines[i].strip(), i + 1
+            prose.append("")
+        found.append((number, shlex.join(shlex.split(command, comments=True))))
+    text = "\n".join(prose)
+    for m in re.finditer(r"`((?:\.venv/bin/)?bfexp(?:\s[^`]*)?)`", text):
+        found.append((text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split())))
+    return found
+
+
+README_COMMANDS = readme_commands()
+
+# Beside the README's lines: the orders of the Hydra #3053 report, and resume= before a flag.
+EXTRA = {
+    "both-sides-of-m": ("bfexp seed=1 -m steps=1,2 lr=0.3", {}),
+    "m-last": ("bfexp seed=1 steps=1,2 -m", {}),
+    "multirun-first": ("bfexp --multirun seed=1 steps=1,2", {}),
+    "resume-sweep-with-a-flag": ("bfexp resume=sweep seed=3 -cd myconf dataset=blobs", {
+        "sweep/multirun.yaml": "hydra:\n  overrides:\n    hydra: []\n    task: ['ranks=2,4']\n"}),
+}
+
+DRIVER = textwrap.dedent("""
+    import contextlib, io, json, os, sys, time, traceback
+    from pathlib import Path
+    import bfexp.cli as cli
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+    import bfexp.slurm
+
+    bfexp.slurm.launch = BasicLauncher.launch  # Slurm sweep points: composed here, not submitted
+    jobs = []
+
+    def compose_only(cfg):
+        hydra = HydraConfig.get()
+        jobs.append({"mode": hydra.mode.name, "choices": OmegaConf.to_container(hydra.runtime.choices),
+                     "task": list(hydra.overrides.task), "hydra": list(hydra.overrides.hydra),
+                     "sweep_dir": str(hydra.sweep.dir),
+                     "config": OmegaConf.to_container(cfg, enum_to_str=True)})
+        return "completed"
+
+    cli.run_job = compose_only
+    out = {}
+    for case in json.loads(sys.argv[1]):
+        folder = Path(case["folder"])
+        for path, text in case["files"].items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_text(text)
+        os.chdir(folder)
+        err, stdout = io.StringIO(), io.StringIO()
+        code, escaped, start = 0, None, time.perf_counter()
+        jobs.clear()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
+            try:
+                cli.command(case["args"])
+            except SystemExit as e:
+                code = e.code
+            except BaseException:
+                escaped = traceback.format_exc()
+        GlobalHydra.instance().clear()
+        cli._current.clear()
+        cli._job_statuses.clear()
+        out[case["id"]] = {"code": code, "stderr": err.getvalue(), "stdout": stdout.getvalue()[:20000],
+                           "escaped": escaped, "jobs": list(jobs), "seconds": time.perf_counter() - start}
+    print(json.dumps(out, default=str))
+""")
+
+
+def case_id(number: int, command: str) -> str:
+    return f"README:{number}:{command}"
+
+
+README_CASES = [(case_id(n, c), c) for n, c in README_COMMANDS]
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory) -> dict:
+    """Every README command (but the SKIPPED) and EXTRA case through `bfexp.cli.command` in one
+    interpreter, each in a fresh folder: {id: exit code, stderr, stdout, escaped traceback, jobs}."""
+    root = tmp_path_factory.mktemp("readme")
+    cases = [(cid, command, FILES) for cid, command in README_CASES if command not in SKIPPED]
+    cases += [(cid, command, {**FILES, **files}) for cid, (command, files) in EXTRA.items()]
+    payload = [{"id": cid, "args": shlex.split(command)[1:], "folder": str(root / f"case{n}"), "files": files}
+               for n, (cid, command, files) in enumerate(cases)]
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(payload)], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_readme_commands_are_found():
+    commands = [c for _, c in README_COMMANDS]
+    assert len(commands) >= 25, commands
+    assert HEADLINE in commands
+    assert "bfexp --shell-completion install=bash" in commands
+    assert any(c.startswith(".venv/bin/bfexp ") for c in commands)
+    assert any("hydra/launcher=slurm" in c and "hydra.launcher.timeout_min=120" in c for c in commands)  # 4 lines
+    placeholders = [c for c in commands if re.search(r"<[^>]*>|\.\.\.", c)]
+    assert sorted(set(placeholders)) == sorted(SKIPPED), "a README command with a placeholder is not listed"
+
+
+def check_composed(got: dict, args: list[str]) -> None:
+    assert got["escaped"] is None, got["escaped"]
+    assert "unrecognized arguments" not in got["stderr"] and "usage:" not in got["stderr"], got["stderr"]
+    assert got["code"] in (0, None), got["stderr"]
+    overrides = [t for t in args if "=" in t and not t.startswith("-") or t.startswith("~")]
+    task = [o for o in overrides if not o.startswith("hydra")]  # hydra/launcher=..., hydra.x=...: Hydra's own
+    if any(a in ("-m", "--multirun") for a in args):
+        assert got["jobs"] and {j["mode"] for j in got["jobs"]} == {"MULTIRUN"}, got
+        fixed = [o for o in overrides if "," not in re.sub(r"\[[^]]*\]", "", o)]
+        for job in got["jobs"]:
+            assert set(fixed) <= set(job["task"] + job["hydra"]), (fixed, job["task"], job["hydra"])
+        sweeps = [o for o in overrides if o not in fixed]
+        assert len(got["jobs"]) >= (2 if sweeps else 1)
+    elif any(a in ("--help", "--cfg", "--shell-completion") for a in args):
+        assert got["jobs"] == [] and got["stdout"].strip(), got
+    else:
+        assert [j["mode"] for j in got["jobs"]] == ["RUN"], got
+        assert got["jobs"][0]["task"] == task
+
+
+@pytest.mark.parametrize("cid, command", README_CASES, ids=[cid for cid, _ in README_CASES])
+def test_readme_command_parses_and_composes(composed, cid, command):
+    if command in SKIPPED:
+        pytest.skip(SKIPPED[command])
+    check_composed(composed[cid], shlex.split(command)[1:])
+
+
+def test_readme_headline_composes_three_jobs(composed):
+    cid = next(cid for cid, command in README_CASES if command == HEADLINE)
+    jobs = composed[cid]["jobs"]
+    assert [j["config"]["ranks"] for j in jobs] == [8, 32, 128]
+    assert all(j["choices"]["algorithm"] == "exact_diffusion" and j["choices"]["topology"] == "exp2" for j in jobs)
+
+
+@pytest.mark.parametrize("cid", ["both-sides-of-m", "m-last", "multirun-first"])
+def test_overrides_on_both_sides_of_m_compose(composed, cid):
+    got = composed[cid]
+    check_composed(got, shlex.split(EXTRA[cid][0])[1:])
+    assert [j["config"]["steps"] for j in got["jobs"]] == [1, 2]
+    assert {j["config"]["seed"] for j in got["jobs"]} == {1}
+    if cid == "both-sides-of-m":
+        assert {j["config"]["lr"] for j in got["jobs"]} == {0.3}
+
+
+def test_resume_sweep_with_a_flag_among_overrides(composed):
+    """resume=DIR puts `-m` and the saved overrides around the given ones; a flag among those must
+    still reach Hydra after all of them."""
+    got = composed["resume-sweep-with-a-flag"]
+    assert got["escaped"] is None and got["code"] in (0, None), got["stderr"]
+    assert [j["config"]["ranks"] for j in got["jobs"]] == [2, 4]
+    assert all(j["config"]["seed"] == 3 and j["choices"]["dataset"] == "blobs" for j in got["jobs"])
+    assert {j["sweep_dir"] for j in got["jobs"]} == {"sweep"}
