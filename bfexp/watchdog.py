@@ -1,9 +1,11 @@
 """No job hangs silently: rank heartbeats, the driver's hang watchdog, stack dumps, injected faults.
 
 Every rank has a Heartbeat: the step it is at, the communication call it is
-inside (if any: the outermost frame of its thread's Python stack that lies
-in bfexp/comm/, and where that call was made from), and the engine's
-blocked-time counter, which moves whenever a call completes. Process ranks
+inside (if any) and where that call was made from, as its engine records
+them (``Engine.activity``: plain data the rank's own thread sets and clears;
+nothing here walks another thread's frames or reads its locals, which is
+not safe while that thread runs), and the engine's blocked-time counter,
+which moves whenever a call completes. Process ranks
 (mpi, nccl) write it to heartbeat/rank<N>.json from a helper thread about
 once a second, in place and at a fixed size, so a full disk does not stop
 it; that thread also ends the rank when the driver is gone. The driver
@@ -15,7 +17,8 @@ stuck in a collective, a deadlocked window, a peer that died without MPI
 noticing), or a process rank has not written its heartbeat for that long
 (frozen), or has not started within max(timeout_s, STARTUP_S). Every rank
 then dumps its Python stack into its log (process ranks: faulthandler on
-SIGUSR2; virtual ranks: the driver formats their threads' stacks), and the
+SIGUSR2; virtual ranks: faulthandler's text of the driver's threads, once
+the job is known to be stuck, cut into each rank's log), and the
 summary names the stuck ranks, the call each was in, and on virtual ranks
 whom each waited for. Computing for long is not a hang; only waiting is.
 
@@ -27,24 +30,28 @@ itself) or hang (sleep forever inside its next communication call).
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from bfexp import results
 
-__all__ = ["Heartbeat", "Watchdog", "at_step", "current_op", "enable_stack_dumps", "read_heartbeats"]
+__all__ = ["Heartbeat", "Watchdog", "at_step", "enable_stack_dumps", "read_heartbeats"]
 
 HEARTBEAT_DIR = "heartbeat"
 RECORD_BYTES = 1024  # one heartbeat, padded: rewritten in place, it never needs a new disk block
+# Seconds between two checks: min(0.5, timeout_s / 4) unless this variable says otherwise (tests make
+# checks frequent with it; the driver's watch loop comes round every 0.1 s).
+CHECK_ENV = "BFEXP_WATCHDOG_CHECK_S"
 STARTUP_S = 120.0  # the longest a rank may take to start (imports, data, model) before it counts as hung
 SILENT_S = 2.0  # a process rank beats at least every second: silent this long, it is not moving
 DUMP_SIGNAL = signal.SIGUSR2
@@ -54,55 +61,10 @@ PROCESS_ONLY_MODES = ("kill", "freeze")  # a virtual rank is a thread: these wou
 # Ranks started while the driver finishes its checks wait for this file to say "go" (or "stop").
 GATE = "BFEXP_GATE"
 
-_COMM = str(Path(__file__).resolve().parent / "comm") + os.sep
 _ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
 _local = threading.local()
 _live: dict[str, dict[int, "Heartbeat"]] = {}  # run dir -> virtual rank -> its heartbeat
 _live_lock = threading.Lock()
-
-
-# ---------------------------------------------------------------- where a rank is
-
-
-def _where(frame: Any) -> str:
-    path = frame.f_code.co_filename
-    return f"{path[len(_ROOT):] if path.startswith(_ROOT) else path}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-def _handle_op(frame: Any) -> str | None:
-    """The op a Handle being waited on belongs to (its tracking closure holds the name)."""
-    try:
-        finish = frame.f_locals["self"]._on_finish
-        cells = dict(zip(finish.__code__.co_freevars, finish.__closure__ or ()))
-        return str(cells["op"].cell_contents)
-    except Exception:  # noqa: BLE001 - best effort: an unnamed wait is still a wait
-        return None
-
-
-def current_op(frame: Any) -> tuple[str, str] | None:
-    """(the communication call a thread is inside, where it was called from), or None when it is not in one.
-
-    The call is the outermost frame of the innermost run of frames in
-    bfexp/comm/ (what runs inside it, a lock's wait or a sleep, lies outside
-    it): the engine's public method, or ``wait(<op>)`` for a nonblocking op's
-    handle. A run ending in a private function (a rank thread's entry) is no call.
-    """
-    f = frame
-    while f is not None and not f.f_code.co_filename.startswith(_COMM):
-        f = f.f_back
-    outer = None
-    while f is not None and f.f_code.co_filename.startswith(_COMM):
-        outer, f = f, f.f_back
-    if outer is None or outer.f_code.co_name.startswith("_"):
-        return None
-    name = outer.f_code.co_name
-    if name in ("wait", "done"):
-        op = _handle_op(outer)
-        name = f"{name}({op})" if op else name
-    caller = outer.f_back
-    while caller is not None and caller.f_code.co_name == "wait":  # an algorithm's own wait(handle) wrapper
-        caller = caller.f_back
-    return name, _where(caller) if caller is not None else "?"
 
 
 # ---------------------------------------------------------------- a rank's heartbeat
@@ -127,12 +89,12 @@ class Heartbeat:
         else:
             threading.Thread(target=self._write_loop, name="bfexp-heartbeat", daemon=True).start()
 
-    def snapshot(self, frames: dict[int, Any] | None = None) -> dict:
-        frame = (frames if frames is not None else sys._current_frames()).get(self.thread_id)
-        op = current_op(frame) if frame is not None else None
+    def snapshot(self) -> dict:
+        """The rank's state now, from plain attributes its own thread writes (safe from any thread)."""
+        activity = self.engine.activity  # one read: the rank may leave the call meanwhile
         return {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": self.step,
-                "comm_time_s": float(self.engine.comm_time_s), "op": op[0] if op else None,
-                "where": op[1] if op else None, "time": time.time()}
+                "comm_time_s": float(self.engine.comm_time_s), "op": activity.op if activity else None,
+                "where": _where(activity) if activity else None, "time": time.time()}
 
     def _write_loop(self) -> None:
         folder = self.run_dir / HEARTBEAT_DIR
@@ -159,6 +121,12 @@ class Heartbeat:
             _local.heartbeat = None
         with _live_lock:
             _live.get(str(self.run_dir), {}).pop(self.rank, None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _where(activity: Any) -> str:
+    """An Engine.activity's call site as text (cached: hundreds of ranks sit at the same few lines)."""
+    return activity.where(_ROOT)
 
 
 def _alive(pid: int) -> bool:
@@ -227,8 +195,7 @@ def live_heartbeats(run_dir: Path) -> dict[int, dict]:
     """Virtual ranks' heartbeats, read from their threads now."""
     with _live_lock:
         beats = dict(_live.get(str(Path(run_dir)), {}))
-    frames = sys._current_frames()
-    return {r: hb.snapshot(frames) for r, hb in beats.items()}
+    return {r: hb.snapshot() for r, hb in beats.items()}
 
 
 class Watchdog:
@@ -251,6 +218,7 @@ class Watchdog:
         self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (the record's time, when it changed)
         self._waiting: dict[int, tuple[Any, float]] = {}  # rank -> ((op, counter), since when)
         self._next = 0.0
+        self.check_s = float(os.environ.get(CHECK_ENV) or min(0.5, self.timeout_s / 4))
 
     def training_started(self) -> bool:
         """Whether some rank has finished a training step (heartbeats read now)."""
@@ -261,7 +229,7 @@ class Watchdog:
         now = time.monotonic() if now is None else now
         if not self.timeout_s or now < self._next:
             return None
-        self._next = now + min(0.5, self.timeout_s / 4)
+        self._next = now + self.check_s
         self.latest.update(self.read())
         stalled = []  # every rank not moving now; the job is hung once one has not moved for timeout_s
         for rank in range(self.ranks):
@@ -334,23 +302,42 @@ def signal_stack_dumps(heartbeats: dict[int, dict]) -> None:
 
 
 def dump_thread_stacks(run_dir: Path, heartbeats: dict[int, dict]) -> None:
-    """Virtual ranks: each rank thread's stack into its log, and every thread of the process into logs/stacks.log."""
+    """Virtual ranks of a job known to be stuck: every thread of this process into logs/stacks.log, as
+    faulthandler writes it (in C, holding the interpreter, never reading a frame's locals), and each
+    rank thread's part of that text into its own log."""
     logs = Path(run_dir) / results.LOGS_DIR
     with _live_lock:
         beats = dict(_live.get(str(Path(run_dir)), {}))
-    frames = sys._current_frames()
     try:
         logs.mkdir(parents=True, exist_ok=True)
-        for rank, hb in beats.items():
-            frame = frames.get(hb.thread_id)
-            if frame is not None:
-                with open(logs / f"rank{rank}.log", "a") as f:
-                    f.write(f"\nStack of rank {rank} (hang watchdog, most recent call last):\n")
-                    f.write("".join(traceback.format_stack(frame)))
-        with open(logs / "stacks.log", "w") as f:
+        with open(logs / "stacks.log", "w+") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            stacks = thread_stacks(f.read())
+        for rank, hb in beats.items():
+            text = stacks.get(hb.thread_id)
+            if text is not None:
+                with open(logs / f"rank{rank}.log", "a") as f:
+                    f.write(f"\nStack of rank {rank} (hang watchdog, most recent call first):\n{text}")
     except OSError:
         pass  # a full disk: the summary still names the ranks
+
+
+def thread_stacks(dump: str) -> dict[int, str]:
+    """faulthandler's all-threads text cut per thread: thread id -> its frames' lines."""
+    out: dict[int, str] = {}
+    ident, lines = None, []
+    for line in dump.splitlines(keepends=True):
+        head = re.match(r"(?:Current thread|Thread) (0x[0-9a-f]+)", line)
+        if head:
+            if ident is not None:
+                out[ident] = "".join(lines)
+            ident, lines = int(head.group(1), 16), []
+        elif ident is not None:
+            lines.append(line)
+    if ident is not None:
+        out[ident] = "".join(lines)
+    return out
 
 
 # ---------------------------------------------------------------- injected faults

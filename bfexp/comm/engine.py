@@ -120,6 +120,7 @@ from __future__ import annotations
 import abc
 import atexit
 import functools
+import sys
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -137,6 +138,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from bfexp.topology import Topology
 
 __all__ = [
+    "Activity",
     "Call",
     "CommError",
     "DstWeights",
@@ -160,13 +162,64 @@ AVERAGING_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+class Activity(tuple):
+    """The communication call a rank is inside, as plain data: the op's name and the call site
+    (code object and line) of the code that called it. The rank's own thread sets it on entry and
+    clears it on exit (``Engine.activity``); the hang watchdog reads it from another thread. Nothing
+    here is a frame: a running thread's frames are not safe to walk from another thread."""
+
+    __slots__ = ()
+
+    def __new__(cls, op: str, code: Any, line: int) -> "Activity":
+        return tuple.__new__(cls, (op, code, line))
+
+    @property
+    def op(self) -> str:
+        return self[0]
+
+    def where(self, root: str = "") -> str:
+        """``path:line in function`` of the call site (``root`` cut from the path's front)."""
+        code, line = self[1], self[2]
+        path = code.co_filename
+        return f"{path[len(root):] if root and path.startswith(root) else path}:{line} in {code.co_name}"
+
+
+def _call_site(depth: int) -> Any:
+    """The frame ``depth`` levels above the caller, past wrappers named ``wait`` (an algorithm's own
+    wait(handle) helper). The calling thread's own frames only."""
+    frame = sys._getframe(depth + 1)
+    while frame.f_code.co_name == "wait" and frame.f_back is not None:
+        frame = frame.f_back
+    return frame
+
+
+def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A public engine operation: while it runs, ``engine.activity`` names it and its call site (the
+    outermost call only: a blocking form that calls its nonblocking twin stays one activity)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        if self.activity is not None:
+            return method(self, *args, **kwargs)
+        site = sys._getframe(1)
+        self.activity = Activity(name, site.f_code, site.f_lineno)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.activity = None
+
+    return call
+
+
 class Handle:
     """A pending nonblocking operation.
 
     ``wait()`` blocks until the result is ready and returns it (a tensor, a
     list of tensors, or None); ``done()`` polls without blocking. ``wait`` may
     be called more than once and returns the same result. ``on_finish`` is
-    told when the wait began and ended, for timing.
+    told when the wait began and ended, for timing. ``owner`` (the engine)
+    and ``op`` make a wait show as the owner's activity ``wait(op)``.
     """
 
     def __init__(
@@ -174,20 +227,33 @@ class Handle:
         wait_fn: Callable[[], Any],
         test_fn: Callable[[], bool] | None = None,
         on_finish: Callable[[float, float], None] | None = None,
+        owner: "Engine | None" = None,
+        op: str = "",
     ) -> None:
         self._wait_fn = wait_fn
         self._test_fn = test_fn
         self._on_finish = on_finish
+        self._owner = owner
+        self._op = op
         self._finished = False
         self._result: Any = None
 
     def wait(self) -> Any:
         if not self._finished:
-            t0 = time.perf_counter()
-            self._result = self._wait_fn()
-            self._finished = True
-            if self._on_finish is not None:
-                self._on_finish(t0, time.perf_counter())
+            owner = self._owner
+            mark = owner is not None and owner.activity is None
+            if mark:
+                site = _call_site(1)
+                owner.activity = Activity(f"wait({self._op})", site.f_code, site.f_lineno)
+            try:
+                t0 = time.perf_counter()
+                self._result = self._wait_fn()
+                self._finished = True
+                if self._on_finish is not None:
+                    self._on_finish(t0, time.perf_counter())
+            finally:
+                if mark:
+                    owner.activity = None
         return self._result
 
     def done(self) -> bool:
@@ -509,6 +575,8 @@ class Engine(abc.ABC):
         self.machine_topology: Topology | None = None
         self.timeline: Timeline | None = None
         self.comm_time_s = 0.0  # wall time spent inside blocking comm calls / waits
+        # The public call this rank is inside now (None between calls): the hang watchdog reads it.
+        self.activity: Activity | None = None
         self.bytes_sent = 0  # bytes this rank has put on the wire, as ``sent_bytes`` counts them
         self._blocking_depth = 0
         self._windows: dict[str, Window] = {}
@@ -614,24 +682,30 @@ class Engine(abc.ABC):
         return srcs, dsts
 
     # collectives: the public forms --------------------------------------
+    @recorded
     def allreduce(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
         """Sum or average (``op`` in {'sum', 'avg'}) across all ranks; new tensor(s)."""
         return self._blocking("allreduce", lambda: self._allreduce(tensors, op, inplace=False, blocking=True).wait())
 
+    @recorded
     def allreduce_(self, tensors: TensorOrList, op: str = "avg") -> TensorOrList:
         """allreduce written into ``tensors`` (returned)."""
         return self._blocking("allreduce_", lambda: self._allreduce(tensors, op, inplace=True, blocking=True).wait())
 
+    @recorded
     def iallreduce(self, tensors: TensorOrList, op: str = "avg") -> Handle:
         return self._allreduce(tensors, op, inplace=False, blocking=False)
 
+    @recorded
     def iallreduce_(self, tensors: TensorOrList, op: str = "avg") -> Handle:
         return self._allreduce(tensors, op, inplace=True, blocking=False)
 
+    @recorded
     def allgather(self, tensors: TensorOrList) -> TensorOrList:
         """Every rank's tensor(s) concatenated along dim 0 in rank order (dim 0 may differ)."""
         return self._blocking("allgather", lambda: self.iallgather(tensors).wait())
 
+    @recorded
     def iallgather(self, tensors: TensorOrList) -> Handle:
         started = time.perf_counter()
         call = Call(tensors)
@@ -640,28 +714,35 @@ class Engine(abc.ABC):
             return self._track("allgather", call.nbytes, started, lambda: call.as_given(rows), None)
         return self._track("allgather", call.nbytes, started, *self._post_allgather(call))
 
+    @recorded
     def broadcast(self, tensors: TensorOrList, root: int = 0) -> TensorOrList:
         """Root's value(s) on every rank; new tensor(s)."""
         return self._blocking("broadcast", lambda: self._broadcast(tensors, root, inplace=False).wait())
 
+    @recorded
     def broadcast_(self, tensors: TensorOrList, root: int = 0) -> TensorOrList:
         """broadcast written into ``tensors`` (returned)."""
         return self._blocking("broadcast_", lambda: self._broadcast(tensors, root, inplace=True).wait())
 
+    @recorded
     def ibroadcast(self, tensors: TensorOrList, root: int = 0) -> Handle:
         return self._broadcast(tensors, root, inplace=False)
 
+    @recorded
     def ibroadcast_(self, tensors: TensorOrList, root: int = 0) -> Handle:
         return self._broadcast(tensors, root, inplace=True)
 
+    @recorded
     def barrier(self) -> None:
         """Every rank reached it."""
         self._blocking("barrier", lambda: self._barrier(blocking=True).wait())
 
+    @recorded
     def ibarrier(self) -> Handle:
         return self._barrier(blocking=False)
 
     # neighbor ops: the public forms -------------------------------------
+    @recorded
     def neighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
@@ -677,6 +758,7 @@ class Engine(abc.ABC):
             "neighbor_allreduce", lambda: start(tensors, self_weight, src_weights, dst_weights, False, True, t).wait()
         )
 
+    @recorded
     def neighbor_allreduce_(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
@@ -687,12 +769,14 @@ class Engine(abc.ABC):
             lambda: self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, True, t).wait(),
         )
 
+    @recorded
     def ineighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
     ) -> Handle:
         return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, False, False, t)
 
+    @recorded
     def ineighbor_allreduce_(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_weights: Weights | None = None, dst_weights: DstWeights | None = None, *, t: int = 0,
@@ -700,12 +784,14 @@ class Engine(abc.ABC):
         """In place: leave ``tensors`` alone until wait."""
         return self._neighbor_allreduce(tensors, self_weight, src_weights, dst_weights, True, False, t)
 
+    @recorded
     def neighbor_allgather(
         self, tensors: TensorOrList, src_ranks: Sequence[int] | None = None, dst_ranks: Sequence[int] | None = None
     ) -> TensorOrList:
         """In-neighbors' tensor(s) concatenated along dim 0 in ascending source rank (dim 0 may differ)."""
         return self._blocking("neighbor_allgather", lambda: self.ineighbor_allgather(tensors, src_ranks, dst_ranks).wait())
 
+    @recorded
     def ineighbor_allgather(
         self, tensors: TensorOrList, src_ranks: Sequence[int] | None = None, dst_ranks: Sequence[int] | None = None
     ) -> Handle:
@@ -718,6 +804,7 @@ class Engine(abc.ABC):
         pending = self._post_neighbor_allgather(call, GatherDeclaration(self.size, srcs, dsts, call.tensors), srcs, dsts)
         return self._track("neighbor_allgather", nbytes, started, *pending, src=srcs, dst=dsts)
 
+    @recorded
     def hierarchical_neighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
@@ -731,6 +818,7 @@ class Engine(abc.ABC):
             lambda: self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=False).wait(),
         )
 
+    @recorded
     def hierarchical_neighbor_allreduce_(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
@@ -741,12 +829,14 @@ class Engine(abc.ABC):
             "hierarchical_neighbor_allreduce_", lambda: self._hierarchical(tensors, *weights, inplace=True).wait()
         )
 
+    @recorded
     def ihierarchical_neighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
     ) -> Handle:
         return self._hierarchical(tensors, self_weight, src_machine_weights, dst_machine_weights, inplace=False)
 
+    @recorded
     def ihierarchical_neighbor_allreduce_(
         self, tensors: TensorOrList, self_weight: float | None = None,
         src_machine_weights: Weights | None = None, dst_machine_weights: DstWeights | None = None,
@@ -918,6 +1008,7 @@ class Engine(abc.ABC):
         return (lambda: result), None
 
     # windows: the public forms (see module doc) --------------------------
+    @recorded
     def win_create(
         self,
         tensor: torch.Tensor,
@@ -955,6 +1046,7 @@ class Engine(abc.ABC):
             self.barrier()
         return w.own
 
+    @recorded
     def win_free(self, name: str | None = None) -> None:
         """Collective: free one window (all when ``name`` is None)."""
         for nm in sorted(self._windows) if name is None else [name]:
@@ -970,29 +1062,35 @@ class Engine(abc.ABC):
         """The push-sum weight of the own value."""
         return self._window(name).weight
 
+    @recorded
     def win_put(
         self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
     ) -> None:
         self._blocking("win_put", lambda: self._push(tensor, name, self_weight, dst_weights, accumulate=False).wait())
 
+    @recorded
     def iwin_put(
         self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
     ) -> Handle:
         return self._push(tensor, name, self_weight, dst_weights, accumulate=False)
 
+    @recorded
     def win_accumulate(
         self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
     ) -> None:
         self._blocking("win_accumulate", lambda: self._push(tensor, name, self_weight, dst_weights, True).wait())
 
+    @recorded
     def iwin_accumulate(
         self, tensor: torch.Tensor | None, name: str, self_weight: float | None = None, dst_weights: DstWeights | None = None
     ) -> Handle:
         return self._push(tensor, name, self_weight, dst_weights, accumulate=True)
 
+    @recorded
     def win_get(self, name: str, src_weights: Weights | None = None) -> None:
         self._blocking("win_get", lambda: self.iwin_get(name, src_weights).wait())
 
+    @recorded
     def iwin_get(self, name: str, src_weights: Weights | None = None) -> Handle:
         started = time.perf_counter()
         w = self._window(name)
@@ -1001,11 +1099,13 @@ class Engine(abc.ABC):
         pending = self._run_window_op(w, lambda: self._win_get(w, src))
         return self._track("win_get", w.row_bytes * len(src), started, *pending, src=sorted(src), window=name)
 
+    @recorded
     def win_update(
         self, name: str, self_weight: float | None = None, src_weights: Weights | None = None, reset: bool = False
     ) -> torch.Tensor:
         return self._blocking("win_update", lambda: self.iwin_update(name, self_weight, src_weights, reset).wait())
 
+    @recorded
     def iwin_update(
         self, name: str, self_weight: float | None = None, src_weights: Weights | None = None, reset: bool = False
     ) -> Handle:
@@ -1025,11 +1125,13 @@ class Engine(abc.ABC):
         """Hold this rank's window memory exclusively (peers' ops wait): a local change of the own value."""
         return self._window(name).exclusive()
 
+    @recorded
     def win_exchange(
         self, name: str, peer: int, combine: Callable[[torch.Tensor, torch.Tensor], None]
     ) -> None:
         self._blocking("win_exchange", lambda: self.iwin_exchange(name, peer, combine).wait())
 
+    @recorded
     def iwin_exchange(
         self, name: str, peer: int, combine: Callable[[torch.Tensor, torch.Tensor], None]
     ) -> Handle:
@@ -1178,7 +1280,7 @@ class Engine(abc.ABC):
             if token is not None and self.timeline is not None:
                 self.timeline.end(token, t1)
 
-        return Handle(wait_fn, test_fn if test_fn is not None else _nothing_in_flight, on_finish)
+        return Handle(wait_fn, test_fn if test_fn is not None else _nothing_in_flight, on_finish, self, op)
 
     def close(self) -> None:
         """Release resources (windows, communicators). Safe to call twice."""

@@ -24,6 +24,21 @@ clock (equal clocks: first come, first served; rank order at the start),
 until its next ``advance`` or wait; so one-sided window operations take
 effect in clock order, the same on every run.
 
+At most ``running`` rank threads compute at once (the machine's cores, by
+default): a rank gives up its running slot whenever it waits for others and
+takes one again, first come first served, once its wait is over. Hundreds
+of virtual ranks then take turns on the cores instead of all contending
+for them (and for the interpreter: the driver's own thread, which watches
+the job and answers signals, is never queued behind hundreds of ranks).
+A rank waits for other ranks only through the engine, as MPI ranks,
+which share no memory, must (never on a lock or barrier of its own that
+another rank releases: it would hold its slot while it waits), and only
+for ranks that are posting or waiting, so the slots never deadlock; one that polls a nonblocking op and finds it not done, or
+that has run for ``QUANTUM_S`` while others are in line (asynchronous
+algorithms seldom wait), hands its slot on to the next in line at its next
+engine call, as the operating system would have taken its core: ranks
+interleave as threads do, at the cost of a lock per hand-over.
+
 Coordination is one lock and one condition variable per rank. Where MPI
 would hang, waiting raises instead:
 
@@ -37,7 +52,10 @@ would hang, waiting raises instead:
 
 from __future__ import annotations
 
+import math
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -52,6 +70,8 @@ __all__ = ["POLL_S", "RankAborted", "Rendezvous"]
 # How often a blocked rank re-checks the world (seconds); hangs are found by
 # the deadlock check, this only bounds how late a signal-driven abort is seen.
 POLL_S = 0.5
+# How long a virtual rank runs on while others wait for a running slot (module doc).
+QUANTUM_S = 0.005  # the interpreter's own switch interval (sys.getswitchinterval())
 
 
 class RankAborted(RuntimeError):
@@ -93,9 +113,15 @@ class _Exchange:
 class Rendezvous:
     """What the virtual ranks of one job share: collectives, exchanges and their mail, windows, failure."""
 
-    def __init__(self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S) -> None:
+    def __init__(self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S,
+                 running: int | None = None) -> None:
         number_in("ranks", size, low=1, integer=True)
         self.size = size
+        # Running slots (module doc): None lets every rank run at once.
+        self.running = None if running is None else number_in("running", running, low=1, integer=True)
+        self._free_slots = self.running or 0
+        self._holding: dict[int, float] = {}  # ranks holding a running slot -> since when (monotonic)
+        self._slot_queue: deque[int] = deque()  # ranks ready to go on, waiting for a slot, in arrival order
         self.local_size = local_size_for(size, ranks_per_machine)
         self.poll_s = poll_s
         self.lock = threading.Lock()
@@ -149,6 +175,7 @@ class Rendezvous:
         """A rank's code has finished: ranks still waiting for it will never get it."""
         with self.lock:
             self._returned.add(rank)
+            self._release_slot(rank)
             if self.scheduled:
                 self._queue.pop(rank, None)
                 self._blocked.pop(rank, None)
@@ -167,6 +194,7 @@ class Rendezvous:
         than its own). In a scheduled world the wait also gives up the turn.
         """
         self._waiting[rank] = (ready, missing, what)
+        self._release_slot(rank)
         scheduled = self.scheduled
         if scheduled:
             self._blocked[rank] = (ready, resume or (lambda: self.clock[rank]))
@@ -181,7 +209,7 @@ class Rendezvous:
                     if self._running == rank:
                         self._turn_in(rank)
                         return
-                elif ready():
+                elif ready() and self._take_slot(rank):
                     if resume is not None:
                         self.clock[rank] = max(self.clock[rank], resume())
                     return
@@ -199,6 +227,66 @@ class Rendezvous:
                 self._wake[rank].wait(self.poll_s)
         finally:
             del self._waiting[rank]
+            if rank in self._slot_queue:  # leaving by an exception: out of the line
+                self._slot_queue.remove(rank)
+
+    # running slots (module doc) ------------------------------------------
+    def start_running(self, rank: int) -> None:
+        """A rank thread's start: wait for a running slot (a scheduled world: for the rank's turn)."""
+        with self.lock:
+            if self.scheduled:
+                self._take_turn(rank)
+                self._turn_in(rank)
+                return
+            while not self._take_slot(rank):
+                self.raise_if_failed()
+                self._wake[rank].wait(self.poll_s)
+
+    def take_turns(self, rank: int) -> None:
+        """``rank`` is at an engine call: having run ``QUANTUM_S`` with others in line, it hands on."""
+        if self._slot_queue and time.monotonic() - self._holding.get(rank, math.inf) > QUANTUM_S:
+            self.yield_slot(rank)
+
+    def yield_slot(self, rank: int) -> None:
+        """The next rank in line runs first; ``rank`` goes to the back of the line (e.g. it polled an op
+        that is not done: no spinning rank keeps the ranks it waits for from running)."""
+        if self.running is None or not self._slot_queue:
+            return
+        with self.lock:
+            if self.scheduled or rank not in self._holding or not self._slot_queue:
+                return
+            self._release_slot(rank)
+            try:
+                while not self._take_slot(rank):
+                    self.raise_if_failed()
+                    self._wake[rank].wait(self.poll_s)
+            finally:
+                if rank in self._slot_queue:
+                    self._slot_queue.remove(rank)
+
+    def _take_slot(self, rank: int) -> bool:
+        """Take a running slot for ``rank`` if one is free and nobody is ahead in line, else join the line
+        (caller holds ``lock``). Always True where slots do not apply (unlimited, or a scheduled world)."""
+        if self.running is None or self.scheduled or rank in self._holding:
+            return True
+        if self._free_slots > 0 and (not self._slot_queue or self._slot_queue[0] == rank):
+            if self._slot_queue:
+                self._slot_queue.popleft()
+            self._free_slots -= 1
+            self._holding[rank] = time.monotonic()
+            if self._free_slots and self._slot_queue:
+                self._wake[self._slot_queue[0]].notify_all()
+            return True
+        if rank not in self._slot_queue:
+            self._slot_queue.append(rank)
+        return False
+
+    def _release_slot(self, rank: int) -> None:
+        """``rank`` stops running (it waits, or returned): the first in line gets its slot (caller holds ``lock``)."""
+        if self._holding.pop(rank, None) is not None:
+            self._free_slots += 1
+            if self._slot_queue:
+                self._wake[self._slot_queue[0]].notify_all()
 
     # simulated time --------------------------------------------------------
     def advance(self, rank: int, seconds: float) -> None:
@@ -344,10 +432,13 @@ class Rendezvous:
                 self._collectives.pop(key, None)
         return slot.result
 
-    def collective_ready(self, slot: _Collective) -> bool:
+    def collective_ready(self, slot: _Collective, rank: int | None = None) -> bool:
         with self.lock:
             self.raise_if_failed()
-            return len(slot.inputs) == len(slot.members)
+            ready = len(slot.inputs) == len(slot.members)
+        if not ready and rank is not None:
+            self.yield_slot(rank)
+        return ready
 
     # exchanges -----------------------------------------------------------
     def post_exchange(self, number: int, rank: int, declaration: Declaration, sends: dict[int, Any]) -> _Exchange:
@@ -391,10 +482,13 @@ class Rendezvous:
                 raise ex.declaration.error(ex.problems)
             return {s: self._mail.pop((rank, s, number)) for s in srcs}
 
-    def exchange_ready(self, ex: _Exchange) -> bool:
+    def exchange_ready(self, ex: _Exchange, rank: int | None = None) -> bool:
         with self.lock:
             self.raise_if_failed()
-            return ex.checked
+            ready = ex.checked
+        if not ready and rank is not None:
+            self.yield_slot(rank)
+        return ready
 
     # windows -------------------------------------------------------------
     def add_window(self, rank: int, window: Window) -> None:

@@ -45,6 +45,7 @@ come, first served).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 import threading
@@ -58,7 +59,7 @@ import torch
 
 from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDeclaration, Table
 from bfexp.comm.declarations import allgather_problems, header, mismatch_error, shape_signature
-from bfexp.comm.engine import HALF_DTYPES, Call, Engine, NeighborSpec, Pending, Window, accumulate_
+from bfexp.comm.engine import HALF_DTYPES, Call, Engine, NeighborSpec, Pending, Window, accumulate_, recorded
 from bfexp.comm.engine import first_dims, ungather, weighted_combine_, work_dtype
 from bfexp.comm.rendezvous import POLL_S, RankAborted, Rendezvous
 from bfexp.errors import CommError
@@ -119,14 +120,25 @@ def _fresh_rng_states() -> tuple[Any, Any, Any]:
 # ------------------------------------------------------------------ the world and its threads
 
 
+def running_slots() -> int:
+    """How many virtual ranks compute at once (bfexp.comm.rendezvous): the processors this process may
+    use, at least two (a rank that holds one while it waits on a lock outside the engine leaves one)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(2, cores)
+
+
+
 class ThreadWorld(Rendezvous):
     """The virtual ranks of one job: their meeting point, and their threads."""
 
     def __init__(
         self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S, timeline_dir: Path | None = None,
-        one_at_a_time: bool = False,
+        one_at_a_time: bool = False, running: int | None = None,
     ) -> None:
-        super().__init__(size, ranks_per_machine, poll_s)
+        super().__init__(size, ranks_per_machine, poll_s, running=running_slots() if running is None else running)
         # Each rank's Chrome trace goes to <timeline_dir>/rank<N>.json (else $BFEXP_TIMELINE, as on MPI).
         self.timeline_dir = timeline_dir
         # Each rank's torch, numpy and Python global RNG states while another rank has the turn (module doc).
@@ -162,8 +174,7 @@ class ThreadWorld(Rendezvous):
         _current.rank = rank
         engine = ThreadsEngine(self, rank)
         try:
-            if self.scheduled:
-                self.take_turn(rank)
+            self.start_running(rank)
             self.results[rank] = target(engine)
         except BaseException as exc:  # noqa: BLE001 - a rank's failure is the job's, whatever it is
             self.errors[rank] = exc
@@ -355,13 +366,16 @@ class ThreadsEngine(Engine):
         """This virtual rank's simulated clock."""
         return self.world.clock[self._rank]
 
+    @recorded
     def advance(self, seconds: float) -> None:
         """``seconds`` of this rank's time pass: its clock moves on (no sleep); a yield point when scheduled."""
+        self.world.take_turns(self._rank)
         if self.size == 1:  # nobody to yield to or to race with: just the clock
             self.world.clock[0] += seconds
             return
         self.world.advance(self._rank, float(seconds))
 
+    @recorded
     def schedule(self) -> None:
         """Collective: from now on the world's ranks run one at a time, earliest clock first.
         One rank has nobody to take turns with: its clock still moves, nothing is scheduled."""
@@ -374,6 +388,12 @@ class ThreadsEngine(Engine):
         return self.world.scheduled
 
     # plumbing ------------------------------------------------------------
+    def _track(self, op: str, nbytes: int, started: float, wait_fn: Callable[[], Any],
+               test_fn: Callable[[], bool] | None = None, **args: Any) -> Any:
+        """Every op, once posted: a rank that has run its quantum hands its running slot on (rendezvous)."""
+        self.world.take_turns(self._rank)
+        return super()._track(op, nbytes, started, wait_fn, test_fn, **args)
+
     def _collective(
         self,
         kind: str,
@@ -393,7 +413,7 @@ class ThreadsEngine(Engine):
         slot = world.post_collective(key, kind, detail, members, rank, value)
         return (
             (lambda: deliver(world.finish_collective(key, slot, rank, compute))),
-            (lambda: world.collective_ready(slot)),
+            (lambda: world.collective_ready(slot, rank)),
         )
 
     def _exchange(self, declaration: Declaration, sends: dict[int, Any], recv_from: Sequence[int]) -> Pending:
@@ -402,7 +422,7 @@ class ThreadsEngine(Engine):
         number = self._exchange_seq
         world, rank = self.world, self._rank
         ex = world.post_exchange(number, rank, declaration, sends)
-        return (lambda: world.receive(rank, number, ex, recv_from)), (lambda: world.exchange_ready(ex))
+        return (lambda: world.receive(rank, number, ex, recv_from)), (lambda: world.exchange_ready(ex, rank))
 
     def _declare_all(self, declaration: Declaration) -> np.ndarray:
         n = self.size
