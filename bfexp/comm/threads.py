@@ -121,8 +121,8 @@ def _fresh_rng_states() -> tuple[Any, Any, Any]:
 
 
 def running_slots() -> int:
-    """How many virtual ranks compute at once (bfexp.comm.rendezvous): the processors this process may
-    use, at least two (a rank that holds one while it waits on a lock outside the engine leaves one)."""
+    """How many virtual ranks compute at once (bfexp.comm.rendezvous's running slots): the processors
+    this process may use, at least two (a rank that sleeps between engine calls holds its slot)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -130,9 +130,9 @@ def running_slots() -> int:
     return max(2, cores)
 
 
-
 class ThreadWorld(Rendezvous):
-    """The virtual ranks of one job: their meeting point, and their threads."""
+    """The virtual ranks of one job: their meeting point, and their threads; ``running`` of them compute
+    at once (default ``running_slots()``)."""
 
     def __init__(
         self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S, timeline_dir: Path | None = None,
