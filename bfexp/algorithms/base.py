@@ -218,7 +218,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self.uses_topology:
             if topology is None:
                 raise TypeError(f"algorithm={self.name} needs a topology")
-            used, note = self.resolve_topology(topology)  # refuses (TopologyMismatch) what the rule cannot run on
+            # refuses (TopologyMismatch) what the rule cannot run on, with the options that decide it
+            used, note = self.resolve_topology(topology, **self.topology_options())
             if used is not topology:
                 warnings.warn(note or f"algorithm={self.name} runs on {used.label}, not {topology.label}",
                               UserWarning, stacklevel=3)
@@ -537,14 +538,27 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 )
 
     @classmethod
-    def resolve_topology(cls, topology: Topology) -> tuple[Topology, str | None]:
+    def reads_topology(cls, **options: Any) -> bool:
+        """Whether the rule, with these options (any of its constructor's), mixes with the topology's
+        weights, so that the topology must meet ``requires``. A rule that averages by allreduce
+        (the baselines; diloco/slowmo with average=allreduce) never reads them."""
+        return cls.uses_topology
+
+    @classmethod
+    def resolve_topology(cls, topology: Topology, **options: Any) -> tuple[Topology, str | None]:
         """The topology this algorithm runs on, and a note when it is not the one asked for.
 
-        Raises TopologyMismatch (one line) when the rule cannot run on it.
+        ``options`` (any of the constructor's) say whether it reads the graph at all
+        (``reads_topology``). Raises TopologyMismatch (one line) when the rule cannot run on it.
         """
-        if cls.uses_topology:
+        if cls.reads_topology(**options):
             cls.check_topology(topology)
         return topology, None
+
+    def topology_options(self) -> dict[str, Any]:
+        """The options, set before the base constructor runs, that change what the rule needs of the
+        topology (``resolve_topology``'s ``options``): none here."""
+        return {}
 
     # internals -------------------------------------------------------------
     def _begin(self) -> None:

@@ -52,7 +52,7 @@ class ExactDiffusion(DecentralizedOptimizer):
         self.correction = torch.empty_like(self.flat)  # x_k - psi_k
 
     @classmethod
-    def resolve_topology(cls, topology: Topology) -> tuple[Topology, str | None]:
+    def resolve_topology(cls, topology: Topology, **options: Any) -> tuple[Topology, str | None]:
         if topology.is_dynamic:
             raise TopologyMismatch(
                 f"algorithm=exact_diffusion needs a static topology; topology={topology.label} changes every "

@@ -45,8 +45,8 @@ class OuterOptimizer(DecentralizedOptimizer):
         average: Average = "topology", overlap: bool = False, **options: Any,
     ) -> None:
         self.check_options(average=average, **options)
+        self.average = average  # before the base's topology check: average=allreduce reads no graph
         super().__init__(optimizer, engine, topology, overlap=overlap, **options)
-        self.average = average
         self.outer = self.flat.clone()  # theta_i: the outer model at the last round
         self.delta = torch.empty_like(self.flat)
 
@@ -56,6 +56,14 @@ class OuterOptimizer(DecentralizedOptimizer):
         if options.get("average") == "allreduce" and options.get("global_average_every"):
             raise ConfigError(f"algorithm.global_average_every={options['global_average_every']}; allowed: 0, "
                               f"since algorithm={cls.name} with algorithm.average=allreduce averages exactly already")
+
+    @classmethod
+    def reads_topology(cls, **options: Any) -> bool:
+        """average=allreduce averages delta exactly, by one allreduce: any graph will do, its weights unread."""
+        return options.get("average", "topology") != "allreduce"
+
+    def topology_options(self) -> dict[str, Any]:
+        return {"average": self.average}
 
     @classmethod
     def traffic_of(cls, **options: Any) -> Traffic:
