@@ -476,68 +476,54 @@ def DistributedOptimizer(  # noqa: N802 - it stands where a torch optimizer clas
 
     ``algorithm``: a name of conf/algorithm (exact_diffusion, dsgd, push_sum,
     ...) built as the runner builds it, with ``options`` over the YAML's; or
-    a DecentralizedOptimizer class (``options`` are its keywords).
+    a DecentralizedOptimizer class (``options`` are its keywords). Options
+    may be objects where the constructor takes them (``compressor=TopK(0.3)``).
     ``topology``: a name of conf/topology (``topology_options`` over the
     YAML's), a Topology, or a class/function called with the rank count.
-    Like the runner, the algorithm runs on the topology its rule accepts
-    (exact diffusion on exp2: its undirected form).
+    Built by the runner's own assembly (bfexp.assembly): the same checks and
+    one-line refusals, and the algorithm runs on the topology its rule
+    accepts (exact diffusion on exp2: its undirected form, with a
+    UserWarning naming both graphs).
 
     With ``broadcast_initial`` (default) every rank starts from rank 0's
     parameters, buffers and optimizer state, whatever each seeded; False
     keeps each rank's own start. Give ``model`` so the rule starts its
     communication from the forward pass (and its buffers are broadcast).
     """
-    from bfexp import config
-    from bfexp.topology import Topology, build_topology
+    from bfexp.assembly import assemble
 
-    e = engine()
     if broadcast_initial:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         broadcast_parameters([*dict.fromkeys([*params, *(model.parameters() if model else [])])]
                              + ([*model.buffers()] if model else []))
         broadcast_optimizer_state(optimizer)
-    cfg = _composed(algorithm if isinstance(algorithm, str) else None,
-                    topology if isinstance(topology, str) else None, topology_options or {},
-                    options if isinstance(algorithm, str) else {})
-    if isinstance(algorithm, str):
-        cls = config.target_of(cfg.algorithm, "algorithm")
-    else:
-        cls = algorithm
-    if isinstance(topology, str):  # the runner's path (bfexp.worker.rank_topology): built on the engine's machines
-        topo = build_topology(cfg.topology, e.size, 0 if e.local_size == e.size else e.local_size)
-    else:
-        topo = topology if isinstance(topology, Topology) else topology(e.size, **(topology_options or {}))
-        if topo.size != e.size:
-            raise ConfigError(f"topology has {topo.size} ranks; allowed: a topology on the job's {e.size} ranks")
-    if hasattr(cls, "check_run"):  # what the runner's driver checks first (ddp needs a process per rank)
-        cls.check_run(type(e), throughput_only=False, modeled=False)
-    if hasattr(cls, "resolve_topology"):  # then the graph the rule accepts (exact diffusion: exp2 undirected)
-        topo = cls.resolve_topology(topo)[0]
-    e.set_topology(topo)
-    if isinstance(algorithm, str):
-        return config.build(cfg.algorithm, "algorithm")(optimizer, e, topo, model=model)
-    return cls(optimizer, e, topo, model=model, **options)
+    algorithm, topology = named_nodes(algorithm, topology)
+    made = assemble(algorithm, optimizer, engine(), topology, model=model, options=options,
+                    topology_options=topology_options)
+    made.warn(stacklevel=2)  # at the caller's line, as the algorithm's own constructor warns
+    return made.optimizer
 
 
 _compose_lock = threading.Lock()
 
 
-def _composed(algorithm: str | None, topology: str | None, topology_options: dict, options: dict) -> Any:
-    """The runner's config with ``algorithm=`` and ``topology=`` chosen and the options set (Hydra compose)."""
-    from omegaconf import OmegaConf, open_dict
+def named_nodes(algorithm: Any, topology: Any) -> tuple[Any, Any]:
+    """(algorithm, topology) with a name (a conf/algorithm or conf/topology option) replaced by the
+    runner's node for it, a plain dict the caller may lay options over (objects included); other
+    values (classes, Topology objects, nodes) as they are."""
+    import copy
 
-    cfg = OmegaConf.create(_compose_cached(algorithm, topology))
-    for key, values in (("algorithm", options), ("topology", topology_options)):
-        if values:
-            with open_dict(cfg):
-                for k, v in values.items():
-                    cfg[key][k] = v
-    return cfg
+    if not (isinstance(algorithm, str) or isinstance(topology, str)):
+        return algorithm, topology
+    nodes = copy.deepcopy(_compose_cached(algorithm if isinstance(algorithm, str) else None,
+                                          topology if isinstance(topology, str) else None))
+    return (nodes["algorithm"] if isinstance(algorithm, str) else algorithm,
+            nodes["topology"] if isinstance(topology, str) else topology)
 
 
 @functools.lru_cache(maxsize=None)
-def _compose_cached(algorithm: str | None, topology: str | None) -> dict:
-    """Composed once per process (virtual ranks share it); a plain container, copied per call."""
+def _compose_cached(algorithm: str | None, topology: str | None) -> dict[str, dict]:
+    """Composed once per process (virtual ranks share it) with Hydra, as the runner composes them."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
@@ -554,7 +540,7 @@ def _compose_cached(algorithm: str | None, topology: str | None) -> dict:
         register_configs()
         with initialize_config_module(config_module="bfexp.conf", version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=False)
+    return {group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("algorithm", "topology")}
 
 
 def group_options(group: str) -> list[str]:

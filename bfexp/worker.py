@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from bfexp import checkpoint, config, probes, results, scaling, watchdog
 from bfexp.config import job_kind
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
+from bfexp.assembly import assemble, layout_ranks_per_machine
 from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, RankData
 from bfexp.heterogeneity import Heterogeneity, Pace
@@ -108,31 +109,23 @@ class Built:
     classes: int
     dtype: torch.dtype
     device: torch.device
-
-
-def rank_topology(cfg: Any, size: int, ranks_per_machine: int | None = None) -> Topology:
-    """The topology the algorithm's rule runs on (exact diffusion: exp2 -> its undirected form),
-    on the machines the ranks run on (``ranks_per_machine``: the engine's layout; None: the config's)."""
-    rpm = cfg.engine.ranks_per_machine if ranks_per_machine is None else ranks_per_machine
-    topology = build_topology(cfg.topology, size, rpm)
-    algorithm = config.target_of(cfg.algorithm, "algorithm")
-    return algorithm.resolve_topology(topology)[0]
+    notes: list[str] = field(default_factory=list)  # what the assembly noted (the driver printed the same)
 
 
 def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
-    """A rank's topology, data shard, model, local optimizer and algorithm, as the config names them.
+    """A rank's data shard, model, local optimizer and algorithm on its topology, as the config names them.
 
+    The algorithm, topology and engine are put together by bfexp.assembly, as the
+    library and BlueFog's layer put them together (the driver printed its notes).
     ``with_data=False`` (throughput-only) sizes the model from the declared
     sample shape and loads no data.
     """
     dtype = DTYPES[cfg.dtype]
-    topology = rank_topology(cfg, engine.size, layout_ranks_per_machine(engine))
-    engine.set_topology(topology)
     dataset = config.build(cfg.dataset, "dataset")
     if with_data:
         data = dataset.load(engine.rank, engine.size, cfg.seed)
         in_shape, classes = tuple(data.train_x.shape[1:]), data.classes
-        mark(engine, "build: topology, data shard")
+        mark(engine, "build: data shard")
     else:
         data = None
         in_shape, classes = sample_shape(cfg.model, dataset)
@@ -145,11 +138,14 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
         return config.build(cfg.optimizer, "optimizer")(params)
 
     model = make_model()
-    optimizer = config.build(cfg.algorithm, "algorithm")(make_optimizer(model.parameters()), engine, topology, model=model)
+    made = assemble(cfg.algorithm, make_optimizer(model.parameters()), engine, cfg.topology, model=model,
+                    throughput_only=not with_data)
+    optimizer = made.optimizer
     net = optimizer.module if optimizer.module is not None else model  # ddp: the DDP wrapper
     if getattr(type(optimizer), "asynchronous", False):  # virtual ranks: window ops in simulated-clock order
         engine.schedule()
-    return Built(topology, data, model, optimizer, net, make_model, make_optimizer, in_shape, classes, dtype, device)
+    return Built(made.topology, data, model, optimizer, net, make_model, make_optimizer, in_shape, classes, dtype,
+                 device, made.notes)
 
 
 def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
@@ -402,8 +398,7 @@ def one_rank(cfg: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict
     def make() -> tuple[torch.nn.Module, Any]:
         one = engine if engine.size == 1 else ThreadsEngine(ThreadWorld(1), 0)
         model = job.make_model()
-        wrapper = config.build(node, "algorithm")(job.make_optimizer(model.parameters()), one,
-                                                  build_topology(OmegaConf.create(ONE_RANK), 1), model=model)
+        wrapper = assemble(node, job.make_optimizer(model.parameters()), one, ONE_RANK, model=model).optimizer
         return (wrapper.module if wrapper.module is not None else model), wrapper
 
     return make, component(node)
@@ -508,11 +503,6 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
     out = scaling_block(cfg, engine, measured, modeled, throughput_only=False)
     out.update(reference_fields(single))
     return out
-
-
-def layout_ranks_per_machine(engine: Engine) -> int:
-    """The engine's machines as a ranks_per_machine setting (0: every rank on one machine)."""
-    return 0 if engine.local_size == engine.size else engine.local_size
 
 
 def machine_layout(cfg: Any, engine: Engine) -> dict:
