@@ -42,7 +42,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TextIO
 
 import numpy as np
 import torch
@@ -429,28 +429,49 @@ def _labels_of(dataset: Any, labels: Any) -> np.ndarray:
 # ------------------------------------------------------------------ the optimizer wrapper
 
 
-def broadcast_parameters(tensors: Any, root: int = 0) -> None:
-    """Overwrite tensors (a module's parameters and buffers, or a list) with ``root``'s, in place.
+def parameter_tensors(params: Any) -> list[torch.Tensor]:
+    """The tensors of a module (parameters, then buffers), a state_dict or other dict (sorted by name),
+    or a list of tensors or (name, tensor) pairs (``named_parameters()``); other values are skipped."""
+    if isinstance(params, torch.nn.Module):
+        items: Iterable[Any] = [*params.parameters(), *params.buffers()]
+    elif isinstance(params, Mapping):
+        items = [v for _, v in sorted(params.items())]
+    elif isinstance(params, Iterable) and not isinstance(params, (str, torch.Tensor)):
+        items = [p[1] if isinstance(p, tuple) else p for p in params]
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}; allowed: a module, a dict or a list")
+    return [t for t in items if isinstance(t, torch.Tensor)]
 
-    One fused message per dtype.
-    """
-    if isinstance(tensors, torch.nn.Module):
-        tensors = [*tensors.parameters(), *tensors.buffers()]
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+
+def fused_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by (dtype, device), in one order on every rank: a group travels as one message."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
+        groups.setdefault((t.dtype, t.device), []).append(t.detach())
+    return [groups[k] for k in sorted(groups, key=str)]
+
+
+def broadcast_parameters(tensors: Any, root: int = 0) -> None:
+    """Overwrite tensors (see ``parameter_tensors``: a module, a state_dict, a list) with ``root``'s, in place.
+
+    One fused message per dtype and device. BlueFog's ``broadcast_parameters`` is this one.
+    """
     e = engine()
     with torch.no_grad():
-        for dtype in sorted(groups, key=str):  # every rank sends in one order
-            e.broadcast_(groups[dtype], root=root)
+        for group in fused_groups(parameter_tensors(tensors)):
+            e.broadcast_(group, root=root)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -> None:
-    """Give every rank ``root``'s optimizer state and hyperparameters (a no-op while no rank has any state)."""
+    """Give every rank ``root``'s optimizer state and hyperparameters: ``root``'s state_dict, loaded.
+
+    Whatever state each rank has: a stateless optimizer (SGD without momentum)
+    still takes root's learning rate, a rank that has stepped takes root's
+    buffers, and a rank that has when root has none is emptied. Nothing is
+    stepped to make state first. Tensors land on the rank's own parameters'
+    devices. BlueFog's ``broadcast_optimizer_state`` is this one.
+    """
     e = engine()
-    held = e.allreduce(torch.tensor([float(len(optimizer.state))], dtype=torch.float64), op="sum")
-    if float(held) == 0.0:
-        return
     buffer = io.BytesIO()
     if e.rank == root:
         torch.save(optimizer.state_dict(), buffer)
@@ -458,8 +479,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -
     length = e.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), root=root)
     data = payload if e.rank == root else torch.zeros(int(length), dtype=torch.uint8)
     data = e.broadcast(data, root=root)
-    if e.rank != root:
-        optimizer.load_state_dict(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False))
+    if e.rank != root:  # load_state_dict moves each tensor to its parameter's device
+        state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(state)
 
 
 def DistributedOptimizer(  # noqa: N802 - it stands where a torch optimizer class stood
