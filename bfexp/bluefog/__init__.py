@@ -102,6 +102,7 @@ from bfexp.bluefog.optimizers import (
     DistributedGradientAllreduceOptimizer,
     DistributedHierarchicalNeighborAllreduceOptimizer,
     DistributedNeighborAllreduceOptimizer,
+    DistributedOptimizer,
     DistributedWinPutOptimizer,
 )
 from bfexp.bluefog.topology_util import (

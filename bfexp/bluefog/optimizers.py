@@ -28,6 +28,12 @@ adapt-with-combine takes the local update (weight decay included) at x and
 adds it to W x (BlueFog steps from W x); several forward passes per step
 with J > 1 (BlueFog's gradient accumulation scenario) raise
 NotImplementedError, as do ``synchronize()`` and ``skip_synchronize()``.
+
+Every wrapper's rule is built by bfexp's one assembly (bfexp.assembly), as
+the runner and ``bfexp.DistributedOptimizer`` build theirs. bfexp's extension
+``DistributedOptimizer(optimizer, model, algorithm=..., topology=...)`` wraps
+any bfexp algorithm the same way, on the topology set with ``set_topology``
+or one given.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from bfexp.algorithms import DSGD, Allreduce
+from bfexp.assembly import Assembly, assemble
 from bfexp.bluefog import ops
 from bfexp.comm.engine import Handle
 from bfexp.errors import number_in
@@ -46,6 +53,7 @@ from bfexp.topology import RankWeights
 
 __all__ = [
     "CommunicationType",
+    "DistributedOptimizer",
     "DistributedAdaptThenCombineOptimizer",
     "DistributedAdaptWithCombineOptimizer",
     "DistributedAllreduceOptimizer",
@@ -163,10 +171,6 @@ class _Wrapper:
                 "num_steps_per_communication > 1 with several forward passes per step() (BlueFog's gradient "
                 "accumulation scenario): bfexp counts step() calls; accumulate with num_steps_per_communication=1")
 
-    def _bluefog_local_step(self) -> Any:
-        """The base optimizer's step alone (broadcast_optimizer_state initializes state with it)."""
-        return _LocalOptimizer(self, self._base).step()
-
     def register_step_function(self, step_func: Callable) -> None:
         """Use ``step_func(self, parameter, gradient, parameter_group)`` as the local update, per parameter."""
         self._step_func = lambda p, g, group: step_func(self, p, g, group)
@@ -185,6 +189,34 @@ class _Wrapper:
 
     def turn_off_timeline(self) -> None:
         raise NotImplementedError("optimizer.turn_off_timeline(): tracing follows BFEXP_TIMELINE")
+
+
+class _Rule(_Wrapper):
+    """A wrapper whose step() and zero_grad() are a bfexp rule's (``self._rule``), built by bfexp's
+    one assembly (bfexp.assembly) around the wrapped class's own update: the same checks, refusals
+    and notes as ``bfexp.DistributedOptimizer`` and the runner."""
+
+    _knobs = frozenset({"num_steps_per_communication"})
+
+    def _build_rule(self, algorithm: Any, topology: Any, options: dict[str, Any],
+                    topology_options: dict[str, Any] | None = None) -> Assembly:
+        made = assemble(algorithm, _LocalOptimizer(self, self._base), self._engine, topology, options=options,
+                        topology_options=topology_options)
+        self._rule = made.optimizer
+        self._hooks += [m.register_forward_pre_hook(self._rule._pre_forward) for m in self._models]
+        return made
+
+    def _set_steps(self, value: int) -> None:
+        super()._set_steps(value)
+        if "_rule" in self.__dict__:
+            self._rule.communication_period = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._rule.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._check_forwards()
+        return self._rule.step(closure)
 
 
 def _make(mixin: type, optimizer: torch.optim.Optimizer) -> Any:
@@ -214,7 +246,7 @@ class _CombineDSGD(DSGD):
         return self._combine(tensor)
 
 
-class _Reduce(_Wrapper):
+class _Reduce(_Rule):
     _knobs = frozenset({
         "self_weight", "src_weights", "dst_weights", "src_machine_weights", "dst_machine_weights",
         "enable_topo_check", "communication_type", "num_steps_per_communication",
@@ -229,10 +261,9 @@ class _Reduce(_Wrapper):
         self.dst_machine_weights = None
         self.enable_topo_check = False
         self.communication_type = communication_type
-        self._rule = _CombineDSGD(_LocalOptimizer(self, self._base), self._engine, None, style=self._style,
-                                  communication_period=num_steps_per_communication)
+        self._build_rule(_CombineDSGD, None,
+                         {"style": self._style, "communication_period": num_steps_per_communication})
         self._rule._combine = self._combine
-        self._hooks += [m.register_forward_pre_hook(self._rule._pre_forward) for m in self._models]
 
     @property
     def communication_type(self) -> CommunicationType:
@@ -243,11 +274,6 @@ class _Reduce(_Wrapper):
         if not isinstance(value, CommunicationType):
             raise ValueError(f"communication_type={value!r}; allowed: {', '.join(c.name for c in CommunicationType)}")
         self._communication_type = value
-
-    def _set_steps(self, value: int) -> None:
-        super()._set_steps(value)
-        if "_rule" in self.__dict__:
-            self._rule.communication_period = value
 
     def _combine(self, tensor: torch.Tensor) -> Handle:
         """Start this step's W X into ``tensor`` (in place), W per communication_type and the knobs."""
@@ -261,13 +287,6 @@ class _Reduce(_Wrapper):
         if kind is CommunicationType.allreduce:
             return self._engine.iallreduce_(tensor, op="avg")
         return Handle(lambda: tensor, lambda: True)  # empty: W = I
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._rule.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        self._check_forwards()
-        return self._rule.step(closure)
 
 
 class _AdaptWithCombine(_Reduce):
@@ -338,28 +357,18 @@ def DistributedAllreduceOptimizer(  # noqa: N802
 # ------------------------------------------------------------------ gradient allreduce
 
 
-class _GradientAllreduce(_Wrapper):
-    _knobs = frozenset({"num_steps_per_communication"})
-
+class _GradientAllreduce(_Rule):
     def _setup_rule(self) -> None:
         # Every step applies the average gradient; J > 1 accumulates, so the allreduce waits for step().
-        self._rule = Allreduce(_LocalOptimizer(self, self._base), self._engine, None, overlap=self._J == 1)
-        self._hooks += [m.register_forward_pre_hook(self._rule._pre_forward) for m in self._models]
+        self._build_rule(Allreduce, None, {"overlap": self._J == 1})
 
     def _set_steps(self, value: int) -> None:
-        super()._set_steps(value)
+        _Wrapper._set_steps(self, value)  # J is not a period here: it says whether to overlap
         if "_rule" in self.__dict__:
             self._rule.overlap = value == 1
 
     def _check_forwards(self) -> None:
         self._forwards = 0  # several backward passes per step is what J is for here
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._rule.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        self._check_forwards()
-        return self._rule.step(closure)
 
 
 def DistributedGradientAllreduceOptimizer(  # noqa: N802
@@ -374,6 +383,45 @@ def DistributedGradientAllreduceOptimizer(  # noqa: N802
     obj._setup(optimizer, model, num_steps_per_communication)
     obj._setup_rule()
     return obj
+
+
+# ------------------------------------------------------------------ any bfexp algorithm (bfexp's extension)
+
+
+def DistributedOptimizer(  # noqa: N802 - bfexp.DistributedOptimizer's name and arguments
+    optimizer: torch.optim.Optimizer, model: Any, algorithm: Any = "exact_diffusion", topology: Any = None, *,
+    topology_options: dict[str, Any] | None = None, **options: Any,
+) -> Any:
+    """Any bfexp algorithm as a BlueFog wrapper (not in BlueFog): an instance of the optimizer's class.
+
+    ``algorithm``, ``topology``, ``topology_options`` and ``options`` as for
+    ``bfexp.DistributedOptimizer``, built by the same assembly, so the same
+    refusals and the same UserWarning for a substituted graph; ``topology``
+    None is the one set with ``set_topology`` (its edge weights if
+    ``is_weighted``, else uniform). As BlueFog's wrappers, nothing is
+    broadcast (call ``broadcast_parameters`` first); the knob
+    ``num_steps_per_communication`` is the rule's ``communication_period``.
+    """
+    from bfexp import api
+
+    obj = _make(_Rule, optimizer)
+    obj._setup(optimizer, model, 1)
+    if topology is None:
+        topology = _bluefog_topology()
+    made = obj._build_rule(*api.named_nodes(algorithm, topology), options, topology_options)
+    obj._J = obj._rule.communication_period
+    made.warn(stacklevel=2)
+    return obj
+
+
+def _bluefog_topology() -> Any:
+    """The graph set with set_topology as a bfexp Topology (edges u -> v: u sends to v, as networkx's)."""
+    from bfexp.topology import CustomTopology
+
+    graph = ops.load_topology()
+    if graph is None:
+        raise ValueError("no topology is set; use bf.set_topology(...) or pass topology=")
+    return CustomTopology(graph, weights="given" if ops.is_topo_weighted() else "uniform")
 
 
 # ------------------------------------------------------------------ win put
