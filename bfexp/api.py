@@ -274,7 +274,7 @@ def spawn(
                 world.join(10.0)
                 raise TimeoutError(f"virtual ranks {world.alive()} still running after {timeout} s")
     except KeyboardInterrupt:
-        world.abort(RankAborted("interrupted"))
+        world.abort(RankAborted("stopped by a signal"))
         world.join(5.0)
         raise
     finally:

@@ -45,14 +45,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from bfexp import results
-from bfexp.errors import LaunchError
+from bfexp.errors import ConfigError
 
 __all__ = ["Checkpointer", "EXPERIMENT", "job_folder", "latest", "prepare", "request_stop", "stop_reason"]
 
 CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest.json"
 STOP = "stop"
-FINISHED = ("completed", "diverged")  # a job with one of these statuses is done: never rerun, never touched
 SKIPPED = ".skipped"  # in a sweep folder: where a finished job's scratch folder goes (the CLI removes it)
 # What a trajectory depends on: a checkpoint resumes only a config that agrees on these.
 EXPERIMENT = ("ranks", "seed", "batch_size", "lr", "dtype", "algorithm", "topology", "model", "dataset", "optimizer",
@@ -122,25 +121,25 @@ def prepare(cfg: Any, run_dir: Path, total_steps: int | None = None) -> dict | N
     """Ready a run folder for an attempt (a first run, a rerun or a resume); returns the checkpoint it resumes.
 
     A folder whose last attempt did not finish, with a checkpoint: refuse
-    (LaunchError, one line) a config whose EXPERIMENT differs, keep the
+    (ConfigError, one line) a config whose EXPERIMENT differs, keep the
     metrics up to its step. Otherwise start clean (a finished run run again
     into its own folder starts over). Either way the last attempt's summary,
     failures, heartbeats and stop request go.
     """
     run_dir = Path(run_dir)
     last = results.read_json(run_dir / results.SUMMARY) or {}
-    if last.get("status") in FINISHED:
+    if last.get("status") in results.FINISHED:
         shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
     manifest = latest(run_dir)
     step = 0
     if manifest is not None:
         changed = differences(manifest.get("experiment", {}), experiment(cfg))
         if changed:
-            raise LaunchError(f"{run_dir} has a checkpoint of another experiment: {'; '.join(changed[:3])}; "
+            raise ConfigError(f"{run_dir} has a checkpoint of another experiment: {'; '.join(changed[:3])}; "
                               f"allowed: the same {', '.join(EXPERIMENT)} (steps, timeouts and logging may change)")
         step = int(manifest["step"])
         if total_steps is not None and total_steps < step:
-            raise LaunchError(f"steps={total_steps}; allowed: >= {step}, the step of the checkpoint in {run_dir}")
+            raise ConfigError(f"steps={total_steps}; allowed: >= {step}, the step of the checkpoint in {run_dir}")
     metrics = run_dir / results.METRICS
     if metrics.exists():
         kept = [r for r in results.read_jsonl(metrics) if int(r.get("step", 0)) <= step]
@@ -175,7 +174,7 @@ def job_folder(sweep_dir: Any, num: Any, key: Any) -> str:
                       and pattern.fullmatch(p.relative_to(root).as_posix())), key=lambda p: int(p.name.split("_")[0]))
     for folder in earlier:
         summary = results.read_json(folder / results.SUMMARY)
-        if summary and summary.get("status") in FINISHED:
+        if summary and summary.get("status") in results.FINISHED:
             return f"{SKIPPED}/{folder.relative_to(root).as_posix()}"
     return earlier[0].relative_to(root).as_posix() if earlier else f"{num}_{key}"
 

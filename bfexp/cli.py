@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bfexp import checkpoint, results
+from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_JOB_FAILED
 
 GROUPS = ("algorithm", "topology", "model", "dataset", "optimizer", "engine", "scaling", "logger", "launcher",
           "heterogeneity")
-EXIT_BAD_INPUT = 2
-EXIT_JOB_FAILED = 1
 
 # Status of every job this process ran (a multirun runs several).
 _job_statuses: list[str] = []
@@ -78,9 +77,10 @@ def print_help() -> None:
     print(HELP.format(groups="\n".join(rows), experiments=", ".join(group_options("experiment"))))
 
 
-def fail(message: str) -> NoReturn:
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """One line on stderr and the exit code of whose fault it is (bfexp.errors): bad input 2, environment 3."""
     print(f"bfexp: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.exit(code)
 
 
 def one_line(exc: BaseException) -> str:
@@ -124,6 +124,7 @@ def dry_build(cfg: Any) -> list[str]:
     substituted topology)."""
     import torch
 
+    from bfexp.assembly import resolve
     from bfexp.comm import engine_class
     from bfexp.config import ConfigError, build, check_node, check_optimizer_options, label
     from bfexp.launch import check_memory
@@ -157,10 +158,8 @@ def dry_build(cfg: Any) -> list[str]:
         if cfg.fail_rank is not None and cfg.fail_mode in PROCESS_ONLY_MODES and engine.virtual:
             raise ConfigError(f"fail_mode={cfg.fail_mode} needs a process per rank (engine={cfg.engine.name} runs "
                               "ranks as threads of this process); allowed: engine=mpi, or fail_mode=raise or hang")
-    if algorithm.uses_topology:
-        _, note = algorithm.resolve_topology(topology)  # e.g. exact diffusion on exp2's undirected form
-        if note:
-            notes.append(note)
+    if algorithm.uses_topology:  # e.g. exact diffusion on exp2's undirected form; diloco averaging by allreduce
+        notes.extend(resolve(algorithm, topology, options)[1])  # reads no graph: any graph serves
     dataset_target, _ = check_node(cfg.dataset, "dataset")
     dataset = guarded("dataset", dataset_target, lambda: build(cfg.dataset, "dataset"))
     model_target, _ = check_node(cfg.model, "model", runtime=("in_shape", "in_features", "classes"))
@@ -231,7 +230,7 @@ def resume_arguments(args: list[str]) -> list[str]:
         saved, mode, key = OmegaConf.load(folder / "multirun.yaml").hydra.overrides, ["-m"], "hydra.sweep.dir"
     elif (folder / ".hydra" / "hydra.yaml").is_file():
         summary = results.read_json(folder / results.SUMMARY) or {}
-        if summary.get("status") in checkpoint.FINISHED:
+        if summary.get("status") in results.FINISHED:
             print(f"bfexp: {folder} already {summary['status']}; nothing to resume")
             sys.exit(0)
         saved, mode, key = OmegaConf.load(folder / ".hydra" / "hydra.yaml").hydra.overrides, [], "hydra.run.dir"
@@ -339,7 +338,8 @@ def run_job(cfg: Any) -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from bfexp.config import ConfigError, job_kind, label, validate
+    from bfexp.config import job_kind, label, validate
+    from bfexp.errors import ConfigError, LaunchError
 
     PHASES.mark("start: python, Hydra, compose")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -350,20 +350,20 @@ def run_job(cfg: Any) -> str:
         shutil.rmtree(run_dir.parent, ignore_errors=True)
         status = (results.read_json(finished / results.SUMMARY) or {}).get("status")
         print(f"bfexp: job {finished.name} already {status} in {finished}: skipped, its folder untouched", flush=True)
-        _job_statuses.append("skipped")
-        return "skipped"
+        _job_statuses.append(results.SKIPPED)
+        return results.SKIPPED
     if _current.get("stopped_sweep"):
         discard_unused(run_dir)
-        _job_statuses.append("not run")
-        return "not run"
+        _job_statuses.append(results.NOT_RUN)
+        return results.NOT_RUN
     # SystemExit passes through Hydra untouched: one line, exit 2, no rank started on its work.
     early = None  # the job's ranks, started while the driver checks it (they wait for the word to go)
 
-    def refuse(e: ConfigError) -> NoReturn:
+    def refuse(e: ConfigError | LaunchError) -> NoReturn:
         if early is not None:
             early.cancel()  # first: the log folder its start made goes, so discard_unused finds Hydra's alone
         discard_unused(run_dir, sweep_dir)
-        fail(str(e))
+        fail(str(e), EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT)
 
     try:
         try:
@@ -380,7 +380,7 @@ def run_job(cfg: Any) -> str:
             PHASES.mark("validate, engine choice")
             notes = dry_build(cfg)
             PHASES.mark("dry build: torch, components")
-        except ConfigError as e:
+        except (ConfigError, LaunchError) as e:
             refuse(e)
         for note in notes:
             print(f"note: {note}", flush=True)
@@ -392,7 +392,8 @@ def run_job(cfg: Any) -> str:
             if note:
                 print(f"note: {note}", flush=True)
         title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
-        from bfexp.launch import SIGNALS, Interrupted
+        from bfexp.errors import Interrupted
+        from bfexp.launch import SIGNALS
         from bfexp.loggers import open_tracker
         from bfexp.progress import ConsoleProgress, print_summary
 
@@ -401,15 +402,15 @@ def run_job(cfg: Any) -> str:
             try:
                 PHASES.mark("progress display, tracker")
                 result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),
-                                engine_choice=choice, early=early)
+                                engine_choice=choice, early=early, checked=True)
                 PHASES.mark("launch: the ranks, start to end")
-            except ConfigError as e:  # e.g. a checkpoint of another experiment in the folder
+            except (ConfigError, LaunchError) as e:  # e.g. a checkpoint of another experiment in the folder
                 refuse(e)
             tracker.finish(result.summary)
     finally:
         if early is not None:
             early.cancel()  # bad input, a signal: the waiting ranks end unseen (no-op once they ran)
-    if result.status == "interrupted":
+    if result.status == results.INTERRUPTED:
         result.summary["resume_command"] = resume_command(run_dir)
         with contextlib.suppress(OSError):
             results.write_json_atomic(run_dir / results.SUMMARY, result.summary)
@@ -417,15 +418,15 @@ def run_job(cfg: Any) -> str:
     if _current.get("verbose"):
         print_timing(run_dir)
     _job_statuses.append(result.status)
-    if result.status == "failed":  # said now, not only at the end of a sweep
+    if result.status == results.FAILED:  # said now, not only at the end of a sweep
         print(f"bfexp: job {run_dir.name} failed: {result.summary.get('error')}", file=sys.stderr, flush=True)
         if sweep_dir is not None and cfg.get("fail_fast"):
             _current["stopped_sweep"] = f"fail_fast=true: job {run_dir.name} failed"
             print("bfexp: fail_fast=true: the sweep's remaining jobs are not run", file=sys.stderr, flush=True)
-    if result.status == "interrupted" or SIGNALS.received:
+    if result.status == results.INTERRUPTED or SIGNALS.received:
         signum = SIGNALS.received[0] if SIGNALS.received else signal.SIGTERM
-        what = f"job {result.status}" + (" (it had finished training)" if result.status != "interrupted" else "")
-        resume = f"; resume with: {_current['resume']}" if result.status == "interrupted" or sweep_dir else ""
+        what = f"job {result.status}" + (" (it had finished training)" if result.status != results.INTERRUPTED else "")
+        resume = f"; resume with: {_current['resume']}" if result.status == results.INTERRUPTED or sweep_dir else ""
         print(f"bfexp: {signal.Signals(signum).name}: {what}{resume}", file=sys.stderr, flush=True)
         raise Interrupted(signum)  # a sweep stops here too
     return result.status
@@ -458,7 +459,7 @@ def interrupted_early(signum: int) -> None:
         summary = {k: cfg[k] for k in ("ranks", "seed", "batch_size", "lr")}
         if "bfexp.worker" in sys.modules:
             summary = sys.modules["bfexp.worker"].job_identity(cfg)
-    summary.update(status="interrupted", error=f"interrupted by {signal.Signals(signum).name} before any rank started",
+    summary.update(status=results.INTERRUPTED, error=f"interrupted by {signal.Signals(signum).name} before any rank started",
                    resume_command=_current.get("resume") or f"bfexp resume={run_dir}")
     with contextlib.suppress(OSError):
         results.write_json_atomic(run_dir / results.SUMMARY, summary)
@@ -550,7 +551,8 @@ def command(args: list[str]) -> None:
     debug = os.environ.get("BFEXP_DEBUG") == "1"
     # Let Hydra's errors reach us instead of being printed over many lines.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    from bfexp.launch import SIGNALS, Interrupted
+    from bfexp.errors import Interrupted, LaunchError
+    from bfexp.launch import SIGNALS
 
     SIGNALS.install()  # SIGINT/SIGTERM/SIGUSR1: a running job stops at a checkpoint, otherwise we end here
     try:
@@ -565,6 +567,11 @@ def command(args: list[str]) -> None:
             raise
         _discard_sweep_folder()
         fail(one_line(e))
+    except LaunchError as e:  # a sweep's Slurm submission, e.g. no sbatch here
+        if debug:
+            raise
+        _discard_sweep_folder()
+        fail(str(e), EXIT_ENVIRONMENT)
     except ValueError as e:  # Hydra's checks of its flags before any job, e.g. -m with --cfg
         if debug or "run_dir" in _current or "planned" in _current:
             raise
@@ -578,7 +585,7 @@ def command(args: list[str]) -> None:
         sys.exit(130)
     from bfexp.slurm import statuses as slurm_statuses  # jobs a Slurm sweep ran
 
-    if any(s == "failed" for s in _job_statuses + slurm_statuses):
+    if any(s == results.FAILED for s in _job_statuses + slurm_statuses):
         sys.exit(EXIT_JOB_FAILED)
 
 

@@ -33,6 +33,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bfexp.checkpoint import job_folder
 from bfexp.errors import ConfigError, number_in
+from bfexp.launchers.srun import nodes_for, tasks_per_node
 
 __all__ = ["Config", "ConfigError", "check_node", "label", "node_options", "register_configs", "target_of", "validate"]
 
@@ -44,6 +45,7 @@ RUNTIME: dict[str, tuple[str, ...]] = {
     "model": ("in_shape", "in_features", "classes"),
     "dataset": (),
     "heterogeneity": (),
+    "launcher": (),
 }
 Dtype = Literal["float32", "float64", "float16", "bfloat16"]
 FailMode = Literal["raise", "kill", "freeze", "hang"]
@@ -397,49 +399,6 @@ class WandbLoggerConfig(LoggerConfig):
     tags: List[str] = field(default_factory=list)
 
 
-# ------------------------------------------------------------------ launcher
-# How an MPI job's ranks start (engine=threads ignores it: its ranks are threads
-# of the driver). bfexp.launch builds each option's command and checks, before any
-# rank starts, what the option needs (hosts, slots, the interface, an allocation).
-@dataclass
-class LauncherConfig:
-    name: str = MISSING
-
-
-@dataclass
-class LocalLauncherConfig(LauncherConfig):
-    """`mpiexec -n R` on this machine, oversubscribed when ranks outnumber cores."""
-
-    name: str = "local"
-
-
-@dataclass
-class MpirunLauncherConfig(LauncherConfig):
-    """Open MPI's mpirun over machines reached with ssh, like bfrun / horovodrun."""
-
-    name: str = "mpirun"
-    # Machines and their slots (ranks), e.g. "n1:8,n2:8"; or a hostfile ("n1 slots=8" a line). One of the two.
-    hosts: Optional[str] = None
-    hostfile: Optional[str] = None
-    # The network interface ranks talk over (Open MPI's btl/oob_tcp_if_include, NCCL_SOCKET_IFNAME), e.g. eth0.
-    network_interface: Optional[str] = None
-    # More arguments for mpirun, e.g. ["--bind-to", "none"].
-    extra_args: List[str] = field(default_factory=list)
-
-
-@dataclass
-class SrunLauncherConfig(LauncherConfig):
-    """`srun --mpi=pmix` inside a Slurm allocation (salloc, sbatch, or a hydra/launcher=slurm job)."""
-
-    name: str = "srun"
-    # Ranks per node: nodes = ceil(ranks / ranks_per_node); 0 = as Slurm spreads them over the allocation.
-    ranks_per_node: int = 0
-    # As for mpirun: NCCL_SOCKET_IFNAME and Open MPI's btl_tcp_if_include.
-    network_interface: Optional[str] = None
-    # More arguments for srun, e.g. ["--cpu-bind=none"].
-    extra_args: List[str] = field(default_factory=list)
-
-
 # ------------------------------------------------------------------ top level
 @dataclass
 class Config:
@@ -451,11 +410,12 @@ class Config:
     model: Any = MISSING
     dataset: Any = MISSING
     optimizer: Any = MISSING
+    # How process ranks start (bfexp.launchers): a `_target_` node, conf/launcher/.
+    launcher: Any = MISSING
     # Data-only groups: the dataclasses above.
     engine: Any = MISSING
     scaling: Any = MISSING
     logger: Any = MISSING
-    launcher: Any = MISSING
     # Stragglers (bfexp.heterogeneity): a `_target_` node, conf/heterogeneity/.
     heterogeneity: Any = MISSING
 
@@ -516,20 +476,7 @@ DATA_GROUPS: dict[str, dict[str, type]] = {
         "ethernet_10g": Ethernet10GConfig,
     },
     "logger": {"console": ConsoleLoggerConfig, "jsonl": JsonlLoggerConfig, "wandb": WandbLoggerConfig},
-    "launcher": {"local": LocalLauncherConfig, "mpirun": MpirunLauncherConfig, "srun": SrunLauncherConfig},
 }
-
-
-def nodes_for(ranks: Any, ranks_per_node: Any) -> int:
-    """Slurm nodes a job of ``ranks`` ranks needs: ceil(ranks / ranks_per_node); 0 per node = one node."""
-    ranks, per_node = int(ranks), int(ranks_per_node)
-    return 1 if per_node <= 0 else -(-ranks // per_node)
-
-
-def tasks_per_node(ranks: Any, ranks_per_node: Any) -> int:
-    """Ranks on each of those nodes: ranks_per_node, or every rank when they fit one node."""
-    ranks, per_node = int(ranks), int(ranks_per_node)
-    return ranks if per_node <= 0 else min(ranks, per_node)
 
 
 # Resolvers the hydra/launcher=slurm preset does its arithmetic with (a job's ranks -> its allocation).
@@ -608,17 +555,6 @@ def validate_logger(logger: Any) -> None:
         )
 
 
-def validate_launcher(launcher: Any) -> None:
-    """What the launcher's settings say on their own (hosts, slots and the allocation are checked in bfexp.launch)."""
-    if launcher.name == "mpirun":
-        _require(not (launcher.hosts and launcher.hostfile),
-                 f"launcher.hosts={launcher.hosts} and launcher.hostfile={launcher.hostfile}; allowed: one of the two")
-        _require(bool(launcher.hosts or launcher.hostfile),
-                 "launcher=mpirun needs machines; allowed: launcher.hosts=n1:8,n2:8 or launcher.hostfile=PATH")
-    if launcher.name == "srun":
-        number_in("launcher.ranks_per_node", launcher.ranks_per_node, low=0, integer=True)
-
-
 def validate_scaling(cfg: Any) -> None:
     """The scaling config's figures, the baseline probe and throughput-only mode."""
     sc = cfg.scaling
@@ -684,7 +620,7 @@ def validate(cfg: Any) -> None:
     if cfg.fail_rank is not None:
         number_in("fail_rank", cfg.fail_rank, low=0, integer=True)  # beyond a job's ranks it never fires (sweeps)
     validate_logger(cfg.logger)
-    validate_launcher(cfg.launcher)
+    build(cfg.launcher, "launcher")  # its constructor checks its options (bfexp.launchers)
     validate_scaling(cfg)
     if cfg.engine.name == "auto":
         number_in("engine.slots_factor", cfg.engine.slots_factor, low=0, low_open=True)
@@ -695,6 +631,15 @@ def validate(cfg: Any) -> None:
             cfg.ranks % rpm == 0,
             f"engine.ranks_per_machine={rpm} does not divide ranks={cfg.ranks}; allowed: a divisor of ranks",
         )
+
+
+def launcher_of(cfg: Any) -> Any:
+    """The job's launcher (bfexp.launchers), built from its config; a config from before the launcher
+    group ran locally."""
+    from bfexp.launchers import Local
+
+    node = cfg.get("launcher")
+    return build(node, "launcher") if node is not None and node.get("_target_") else Local()
 
 
 def job_kind(cfg: Any) -> str:

@@ -1,10 +1,20 @@
 """Whose fault an error is, said by its type (as Horovod's common/exceptions.py does).
 
 * ``ConfigError`` and its family: the user's input cannot run. The CLI prints
-  the message as one line and exits 2, before any rank starts. The message
-  names the bad value and what is allowed: ``key=value; allowed: ...``.
+  the message as one line and exits 2 (EXIT_BAD_INPUT), before any rank
+  starts. The message names the bad value and what is allowed:
+  ``key=value; allowed: ...``.
+* ``LaunchError``: the input is fine but this machine or cluster cannot
+  start the job: no mpiexec or srun, a host that does not resolve or answer
+  ssh, no GPU for engine=nccl, no Slurm allocation. One line, exit 3
+  (EXIT_ENVIRONMENT), before any rank starts.
+* A job that ran and failed (a rank raised, hung or died) is no exception
+  in the driver: its summary says why and the CLI exits 1 (EXIT_JOB_FAILED).
+* ``Interrupted``: a stop signal; the CLI exits 128 + the signal's number.
 * ``CommError``: ranks disagree on a communication (a mismatched neighbor
   pattern); raised on every rank at run time instead of a hang.
+  ``RankAborted``: raised in a virtual rank because another one failed or
+  the job was stopped.
 * Anything else is a bug in bfexp (or in the user's own code) and shows its
   traceback.
 
@@ -18,18 +28,30 @@ from __future__ import annotations
 
 import math
 import numbers
+import signal
 from typing import Any
 
 __all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_ENVIRONMENT",
+    "EXIT_JOB_FAILED",
     "BfexpError",
     "CommError",
     "ConfigError",
     "DatasetError",
+    "Interrupted",
     "LaunchError",
+    "NoJobsError",
+    "NotUndirected",
+    "RankAborted",
     "TopologyError",
     "TopologyMismatch",
     "number_in",
 ]
+
+EXIT_JOB_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_ENVIRONMENT = 3
 
 
 class BfexpError(Exception):
@@ -52,12 +74,34 @@ class DatasetError(ConfigError):
     """A data set that cannot be loaded as configured (missing files, too few samples for the ranks)."""
 
 
-class LaunchError(ConfigError):
-    """The job cannot be started here (no mpiexec, no GPU for engine=nccl, ...)."""
+class NotUndirected(ConfigError):
+    """Metropolis-Hastings weights asked for on a graph with a one-way edge."""
+
+
+class NoJobsError(ConfigError):
+    """A folder given to bfexp-report holds no job directories."""
+
+
+class LaunchError(BfexpError):
+    """The environment cannot start the job as asked (no mpiexec or srun, a host that does not answer,
+    no GPU for engine=nccl, no Slurm allocation): not the input's fault, exit 3."""
 
 
 class CommError(BfexpError, RuntimeError):
     """A communication pattern that cannot complete (e.g. mismatched neighbors), raised on every rank."""
+
+
+class RankAborted(RuntimeError):
+    """Raised in a rank thread because another rank failed or the job was stopped."""
+
+
+class Interrupted(BaseException):
+    """The driver got a stop signal outside a running job (composing, checking, writing results),
+    or a job ended because of one: the driver ends with exit status 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
 def number_in(key: str, value: Any, *, low: float | None = None, high: float | None = None,

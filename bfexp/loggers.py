@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bfexp import results
+
 WANDB_INSTALL = "pip install 'bfexp[wandb]'"
 
 
@@ -35,7 +37,7 @@ class Tracker:
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
         if exc_type is not None:
-            self.finish({"status": "failed", "error": f"driver stopped: {exc_type.__name__}"})
+            self.finish({"status": results.FAILED, "error": f"driver stopped: {exc_type.__name__}"})
 
 
 def _scalars(record: dict) -> dict:
@@ -100,7 +102,7 @@ class WandbTracker(Tracker):
             return
         self._finished = True
         self.run.summary.update(_scalars(summary))
-        self.run.finish(exit_code=0 if summary.get("status") in ("completed", "diverged") else 1)
+        self.run.finish(exit_code=0 if summary.get("status") in (results.COMPLETED, results.DIVERGED) else 1)
 
 
 def open_tracker(cfg: Any, run_dir: Path) -> Tracker:

@@ -33,6 +33,7 @@ from statistics import mean
 from typing import Any, Iterable
 
 from bfexp import results, scaling
+from bfexp.errors import NoJobsError
 
 try:  # the Hydra callback API; the report itself does not need Hydra
     from hydra.experimental.callback import Callback
@@ -41,7 +42,7 @@ except ImportError:  # pragma: no cover
 
 CSV_NAME = "report.csv"
 MD_NAME = "report.md"
-OK_STATUSES = ("completed",)
+OK_STATUSES = (results.COMPLETED,)
 
 # Summary fields in the order the table shows them (those no job has are dropped); errors last.
 TABLE_FIELDS = [f.key for f in results.FIELDS if f.key != "wall_time_s"] + ["error"]
@@ -341,8 +342,8 @@ def render_table(table: Table, title: str) -> Any:
             text = cell(row, col, digits=3)
             if col == "job" and numbered:
                 text = text.split("_", 1)[0]
-            if col == "status" and text != "completed":
-                text = f"[red]{text}[/red]" if text == "failed" else f"[yellow]{text}[/yellow]"
+            if col == "status" and text != results.COMPLETED:
+                text = f"[red]{text}[/red]" if text == results.FAILED else f"[yellow]{text}[/yellow]"
             cells.append(text)
         out.add_row(*cells)
     return out
@@ -770,9 +771,6 @@ class Report:
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-
-class NoJobsError(ValueError):
-    """The folder holds no job directories."""
 
 
 def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, plots: bool = True) -> Report:

@@ -27,7 +27,13 @@ TIMING = "timing.json"
 
 # What a job is: every summary carries these, also one written for a job no rank finished.
 IDENTITY = ("algorithm", "topology", "ranks", "engine", "seed", "model", "dataset", "batch_size", "lr")
-STATUSES = ("completed", "failed", "diverged", "interrupted")
+# A job's status, said in these words only (summary.json's "status"). A job that ran ends completed,
+# failed, diverged (its loss blew up) or interrupted (a signal stopped it, resumable); a sweep also
+# counts the jobs it skipped (finished in an earlier run) and those it did not run (fail_fast).
+COMPLETED, FAILED, DIVERGED, INTERRUPTED = "completed", "failed", "diverged", "interrupted"
+SKIPPED, NOT_RUN = "skipped", "not run"
+STATUSES = (COMPLETED, FAILED, DIVERGED, INTERRUPTED)
+FINISHED = (COMPLETED, DIVERGED)  # done: never rerun, never touched (a sweep run again skips them)
 
 
 @dataclass(frozen=True)
@@ -110,9 +116,6 @@ FIELD = {f.key: f for f in FIELDS}
 HEADLINE = tuple(f.key for f in FIELDS if f.headline)
 # figure -> (low key, high key), for every figure with an interval.
 INTERVALS = {key: (low_key(key), high_key(key)) for key in dict.fromkeys(f.bound_of for f in FIELDS if f.bound_of)}
-# Where a summary's scaling figures come from: timed on real ranks here, priced by bfexp.costmodel,
-# or timed on virtual ranks standing in for real ones.
-TIME_SOURCES = ("measured", "modeled", "simulated")
 
 
 def identity(**values: Any) -> dict:

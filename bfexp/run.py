@@ -114,36 +114,34 @@ def split_command(command: list[str]) -> tuple[str, list[str], list[str]]:
 # ------------------------------------------------------------------ engine=mpi: the launcher
 
 
-def job_config(args: argparse.Namespace) -> Any:
-    """The runner's settings this launch amounts to, so bfexp.launch's functions serve it as they are."""
-    from omegaconf import OmegaConf
+def launcher_for(args: argparse.Namespace) -> Any:
+    """The launcher the runner's options name: mpirun over --hosts/--hostfile, else this machine's mpiexec."""
+    from bfexp.launchers import Local, Mpirun
 
     if args.hosts or args.hostfile:
-        launcher = {"name": "mpirun", "hosts": args.hosts, "hostfile": args.hostfile,
-                    "network_interface": args.network_interface, "extra_args": []}
-    else:
-        launcher = {"name": "local"}
-    return OmegaConf.create({"ranks": args.ranks, "launcher": launcher,
-                             "engine": {"name": "mpi", "ranks_per_machine": 0, "mpiexec_args": []}})
+        return Mpirun(hosts=args.hosts, hostfile=args.hostfile, network_interface=args.network_interface)
+    return Local()
 
 
 def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_args: list[str]) -> int:
     from bfexp import launch, results
-    from bfexp.errors import ConfigError
+    from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError, LaunchError
 
-    cfg = job_config(args)
+    from bfexp.comm import engine_class
+
     try:
-        launch.check_engine(cfg)  # mpi4py here; hosts resolve and answer ssh, enough slots
-        launch.check_memory(cfg, 0, 4)
-    except ConfigError as e:  # LaunchError is one
+        launcher = launcher_for(args)
+        launch.preflight("mpi", args.ranks, launcher)  # mpi4py here; hosts resolve and answer ssh, enough slots
+        launch.memory_fits(engine_class("mpi"), args.ranks, launcher.ranks_per_host(args.ranks), 0)
+    except (ConfigError, LaunchError) as e:
         print(f"bfexp-run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT
     run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bfexp-run-"))
     shutil.rmtree(run_dir / results.ERRORS_DIR, ignore_errors=True)  # a rerun into the same folder starts clean
     run_dir.mkdir(parents=True, exist_ok=True)
     program = [python, "-m", "mpi4py", "-m", "bfexp.run", "--rank", *target, *script_args]
-    command = launch.rank_command(cfg, run_dir, program)
-    env = launch.launcher_environment(cfg, launch.rank_environment(args.ranks))
+    command = launcher.command(args.ranks, program)
+    env = launch.launcher_environment(launcher, args.ranks)
     env[RUN_DIR_VARIABLE] = str(run_dir)
     if args.log_dir:
         env[LOG_DIR_VARIABLE] = str(Path(args.log_dir).resolve())
@@ -164,7 +162,7 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
                 if failure_seen_at is not None and time.monotonic() - failure_seen_at > launch.FAILURE_GRACE_S:
                     break  # a rank failed and the rest did not go down with it
         finally:
-            launch._terminate(proc)  # mpiexec's whole session: no rank outlives the launch
+            launch.terminate_session(proc)  # mpiexec's whole session: no rank outlives the launch
             if log is not None:
                 log.close()
     errors = launch.rank_errors(run_dir)

@@ -34,7 +34,6 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, se
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bfexp import results
-from bfexp.config import SrunLauncherConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +70,17 @@ def job_parameters(params: dict) -> dict:
 
 
 def ranks_on_srun(config: DictConfig) -> DictConfig:
-    """A job's config with its ranks started by srun in the allocation (launcher=local becomes srun)."""
-    if config.launcher.name == "local":
+    """A job's config with its ranks started by srun in the allocation (launcher=local becomes
+    conf/launcher/srun.yaml)."""
+    from importlib import resources
+
+    from bfexp.config import launcher_of
+
+    if launcher_of(config).on_this_machine:
+        with resources.as_file(resources.files("bfexp.conf").joinpath("launcher", "srun.yaml")) as path:
+            srun = OmegaConf.load(path)
         with open_dict(config):
-            config.launcher = OmegaConf.structured(SrunLauncherConfig)
+            config.launcher = srun
     return config
 
 
@@ -87,21 +93,21 @@ def failed_return(config: DictConfig, error: str) -> JobReturn:
     """A job that did not come back: a failed summary.json in its folder (the report shows it)."""
     run_dir = run_dir_of(config)
     summary = results.read_json(run_dir / results.SUMMARY) or {}
-    if summary.get("status") not in ("failed", "diverged"):
+    if summary.get("status") not in (results.FAILED, results.DIVERGED):
         from bfexp.worker import job_identity
 
-        summary = {**job_identity(config), **summary, "status": "failed", "error": error}
+        summary = {**job_identity(config), **summary, "status": results.FAILED, "error": error}
         run_dir.mkdir(parents=True, exist_ok=True)
         results.write_json_atomic(run_dir / results.SUMMARY, summary)
     ret = JobReturn(overrides=list(config.hydra.overrides.task), cfg=config, hydra_cfg=config, working_dir=str(run_dir))
     ret.status = JobStatus.COMPLETED  # the sweep goes on: the failure is in the job's summary
-    ret.return_value = "failed"
+    ret.return_value = results.FAILED
     return ret
 
 
 def job_error(run_dir: Path) -> str | None:
     summary = results.read_json(run_dir / results.SUMMARY) or {}
-    return summary.get("error") if summary.get("status") == "failed" else None
+    return summary.get("error") if summary.get("status") == results.FAILED else None
 
 
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -142,9 +148,9 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
             ret = failed_return(config, f"Slurm job {job.job_id}: {lines[-1] if lines else type(e).__name__}")
         if ret.status == JobStatus.FAILED:
             ret = failed_return(config, f"{type(ret._return_value).__name__}: {ret._return_value}")
-        status = ret.return_value if isinstance(ret.return_value, str) else "completed"
+        status = ret.return_value if isinstance(ret.return_value, str) else results.COMPLETED
         statuses.append(status)
-        if status == "failed":
+        if status == results.FAILED:
             run_dir = run_dir_of(config)
             print(f"bfexp: job #{config.hydra.job.num} ({' '.join(filter_overrides(ret.overrides or []))}) "
                   f"failed: {job_error(run_dir) or 'see ' + str(run_dir)}", flush=True)

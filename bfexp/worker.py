@@ -208,7 +208,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     mark(engine, "single-rank reference: cache look-up")
     test_x, test_y = held_out(data.test_x.to(job.device, job.dtype), data.test_y.to(job.device), cfg.get("eval_subset"))
     metrics_path = run_dir / results.METRICS
-    status, error = "completed", None
+    status, error = results.COMPLETED, None
     loss = None
     # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
     # loop's own state: the logging window's sums, the last record, the bytes this rank's training
@@ -252,7 +252,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
         single.after_step(step, timer.last_s)
         if not evals.logs(step, steps):
             if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state()):  # checkpoint_every
-                status, error = "interrupted", stopped(step)
+                status, error = results.INTERRUPTED, stopped(step)
                 break
             continue
         optimizer.finish()
@@ -289,10 +289,10 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
         if rank == 0:
             results.append_jsonl(metrics_path, record)
         if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
-            status, error = "diverged", f"loss {train_loss:.4g} at step {step} (divergence_loss={cfg.divergence_loss:g})"
+            status, error = results.DIVERGED, f"loss {train_loss:.4g} at step {step} (divergence_loss={cfg.divergence_loss:g})"
             break
         if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state(), stop=stop > 0):
-            status, error = "interrupted", stopped(step)
+            status, error = results.INTERRUPTED, stopped(step)
             break
 
     optimizer.finish()
@@ -328,7 +328,7 @@ def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     })
     if checkpoints.step:
         summary["resumed_from_step"] = checkpoints.step
-    if status == "interrupted":  # stopped to be resumed: the run that finishes it measures the figures
+    if status == results.INTERRUPTED:  # stopped to be resumed: the run that finishes it measures the figures
         summary["checkpoint_step"] = step
     else:
         summary.update(job_figures(cfg, engine, job, sampler.batch_size, timer, single.finish(timer.step_samples)))
@@ -579,7 +579,7 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
                                 *compute_speed(cfg, scaling.throughput_spread(1, batch, compute)),
                                 layout_ranks_per_machine(engine))
     summary = job_identity(cfg, ranks=n, engine=engine.name, batch_size=batch)
-    summary.update({"status": "completed", "error": None, "throughput_only": True, "steps": 0})
+    summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
     summary.update(scaling_block(cfg, engine, measured, modeled, throughput_only=True))
     summary.update(reference_fields(single))
     summary["wall_time_s"] = time.perf_counter() - started
@@ -600,7 +600,7 @@ def modeled(cfg: Any, run_dir: Path) -> dict:
         raise config.ConfigError(scaling.missing_speed_message(cfg.scaling, config.label(cfg.model)))
     count = parameter_count(cfg.model, in_shape, classes)
     summary = job_identity(cfg, topology=topology.name, engine="cost model", batch_size=int(cfg.batch_size))
-    summary.update({"status": "completed", "error": None, "throughput_only": True, "steps": 0})
+    summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
     summary.update(scaling_block(
         cfg, None, None,
         modeled_block(cfg, ranks, count, DTYPES[cfg.dtype].itemsize, topology, scaling.Spread.exact(speed), "declared"),

@@ -340,7 +340,7 @@ def environment(ranks: int) -> dict[str, str]:
 
 
 def mpiexec(ranks: int, argv: list[str]) -> list[str]:
-    from bfexp.launch import find_mpiexec
+    from bfexp.launchers import find_mpiexec
 
     return [find_mpiexec(), "--oversubscribe", "-n", str(ranks), sys.executable, *argv]
 

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.dirname(here))
-    from bfexp.launch import find_mpiexec, rank_environment
+    from bfexp.launch import rank_environment
+    from bfexp.launchers import find_mpiexec
 
     env = rank_environment(args.ranks)
     env["OMP_NUM_THREADS"] = str(args.threads)

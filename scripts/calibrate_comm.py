@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    from bfexp.launch import find_mpiexec, rank_environment
+    from bfexp.launch import rank_environment
+    from bfexp.launchers import find_mpiexec
 
     n = max(args.rank_counts)
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]

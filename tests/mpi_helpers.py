@@ -13,7 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from bfexp.launch import find_mpiexec, rank_environment
+from bfexp.launch import rank_environment
+from bfexp.launchers import find_mpiexec
 
 PRELUDE = """
 import json, os, sys

@@ -77,3 +77,84 @@ def test_scaling_is_arithmetic_on_numbers():
     imported = {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in imported if m.split(".")[0] == "torch" or m.startswith(("bfexp.comm", "bfexp.config"))}
+
+
+DRIVER_MODULES = ("bfexp.cli", "bfexp.launch", "bfexp.launchers", "bfexp.launchers.local", "bfexp.launchers.mpirun",
+                  "bfexp.launchers.srun")
+
+
+def test_the_driver_imports_neither_torch_nor_the_worker():
+    """`bfexp --help`, `--cfg job` and bad input stay instant: the driver's modules pull in neither torch
+    nor what every rank runs (checked in a fresh interpreter, as a user's shell starts one)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in DRIVER_MODULES) +
+            "print(sorted(m for m in sys.modules if m == 'torch' or m == 'bfexp.worker'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _sources() -> dict[str, ast.AST]:
+    return {module_name(p): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
+
+
+def test_launchers_are_dispatched_by_their_classes_not_by_name():
+    """No `if launcher.name == "srun"` outside bfexp/launchers/: a back end is one class there (and a user's
+    own is one class of theirs), so nothing else may test for a launcher's name."""
+    names = {"local", "mpirun", "srun"}
+    found = []
+    for module, tree in _sources().items():
+        if module.startswith("bfexp.launchers"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Constant) and s.value in names for s in sides) and \
+                        any(isinstance(s, ast.Attribute) and s.attr == "name" for s in sides):
+                    found.append(f"{module}:{node.lineno}")
+    assert found == [], f"launcher dispatch by name outside bfexp/launchers/: {found}"
+
+
+def test_nothing_imports_a_private_name_of_another_module():
+    """A name starting with `_` is its module's own: no other bfexp module imports it or reaches for it
+    through the module (`launch._terminate`)."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    found = []
+    sources = _sources()
+    for module, tree in sources.items():
+        aliases: dict[str, str] = {}  # local name -> the bfexp module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bfexp"):
+                for a in node.names:
+                    if private(a.name) and node.module != module:
+                        found.append(f"{module}:{node.lineno} imports {node.module}.{a.name}")
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("bfexp"):
+                        aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name) and \
+                    aliases.get(node.value.id, module) != module and aliases[node.value.id] in sources:
+                found.append(f"{module}:{node.lineno} reaches {aliases[node.value.id]}.{node.attr}")
+    assert found == [], f"private names used across modules: {found}"
+
+
+def test_statuses_are_said_in_one_place():
+    """A job's status words (completed, failed, ...) are constants of bfexp.results; no other module spells
+    one out (a typo there would be a status nobody checks for)."""
+    from bfexp import results
+
+    words = set(results.STATUSES) | {results.SKIPPED, results.NOT_RUN}
+    found = []
+    for module, tree in _sources().items():
+        if module == "bfexp.results":
+            continue
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in words and id(node) not in docstrings:
+                found.append(f"{module}:{node.lineno} {node.value!r}")
+    assert found == [], f"status words spelt outside bfexp.results: {found}"

@@ -33,8 +33,10 @@ from tests.conftest import REPO
 BIN = Path(sys.executable).parent  # the venv's bin/: the installed console scripts
 HEADLINE = "bfexp algorithm=exact_diffusion topology=exp2 -m ranks=8,32,128"
 
-# A data set of the user's own, as README's `bfexp --config-dir myconf dataset=blobs` names it.
-FILES = {"myconf/dataset/blobs.yaml": "_target_: mylab.Blobs\ncenters: 3\n"}
+# A data set and a launcher of the user's own, as README's `bfexp --config-dir myconf dataset=blobs` and
+# `bfexp --config-dir myconf launcher=pbs engine=mpi` name them.
+FILES = {"myconf/dataset/blobs.yaml": "_target_: mylab.Blobs\ncenters: 3\n",
+         "myconf/launcher/pbs.yaml": "_target_: mysite.launch.Pbs\nqueue: batch\n"}
 
 
 def installed(command: str, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -21,8 +21,9 @@ import pytest
 from tests.mpi_helpers import run_ranks
 
 
-def one_line_refusal(proc, *words: str) -> str:
-    assert proc.returncode == 2, proc.stderr + proc.stdout[-1500:]
+def one_line_refusal(proc, *words: str, code: int = 2) -> str:
+    """One line on stderr and the exit code of whose fault it is: 2 bad input, 3 this machine or cluster."""
+    assert proc.returncode == code, proc.stderr + proc.stdout[-1500:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bfexp: error:"), proc.stderr
     for w in words:
@@ -37,7 +38,7 @@ def one_line_refusal(proc, *words: str) -> str:
     (8, 8, 1, 8), (16, 8, 2, 8), (12, 8, 2, 8), (32, 8, 4, 8), (4, 8, 1, 4), (5, 0, 1, 5), (1, 1, 1, 1),
 ])
 def test_slurm_nodes_are_ceil_of_ranks_over_ranks_per_node(ranks, per_node, nodes, tasks):
-    from bfexp.config import nodes_for, tasks_per_node
+    from bfexp.launchers.srun import nodes_for, tasks_per_node
 
     assert nodes_for(ranks, per_node) == nodes
     assert tasks_per_node(ranks, per_node) == tasks
@@ -92,20 +93,20 @@ def test_mpirun_with_hosts_spelling_runs(bfexp):
     assert json.loads((bfexp.cwd / "run" / "summary.json").read_text())["status"] == "completed"
 
 
-@pytest.mark.parametrize("hostfile, extra, words", [
+@pytest.mark.parametrize("hostfile, extra, words, code", [
     # TEST-NET-1 (RFC 5737): resolves as an address, belongs to no machine, answers no ssh.
-    ("192.0.2.1 slots=4\n", [], ["host 192.0.2.1 is not reachable over ssh", "allowed"]),
-    ("no-such-host.invalid slots=4\n", [], ["host no-such-host.invalid does not resolve", "allowed"]),
-    ("{host} slots=2\n", ["ranks=3"], ["ranks=3 exceed the 2 slots", "allowed: ranks <= 2"]),
-    ("{host} slots=2\n", ["launcher.network_interface=nosuch0"], ["launcher.network_interface=nosuch0", "lo"]),
-    ("{host} slots=zero\n", [], ["slots=zero", "allowed"]),
+    ("192.0.2.1 slots=4\n", [], ["host 192.0.2.1 is not reachable over ssh", "allowed"], 3),
+    ("no-such-host.invalid slots=4\n", [], ["host no-such-host.invalid does not resolve", "allowed"], 3),
+    ("{host} slots=2\n", ["ranks=3"], ["ranks=3 exceed the 2 slots", "allowed: ranks <= 2"], 2),
+    ("{host} slots=2\n", ["launcher.network_interface=nosuch0"], ["launcher.network_interface=nosuch0", "lo"], 2),
+    ("{host} slots=zero\n", [], ["slots=zero", "allowed"], 2),
 ])
-def test_mpirun_preflight_refuses_in_one_line(bfexp, hostfile, extra, words):
+def test_mpirun_preflight_refuses_in_one_line(bfexp, hostfile, extra, words, code):
     path = bfexp.cwd / "hosts.txt"
     path.write_text(hostfile.format(host=socket.gethostname()))
     proc = bfexp("launcher=mpirun", f"launcher.hostfile={path}", "engine=mpi", "ranks=2", *extra, "hydra.run.dir=run",
                  timeout=120)
-    one_line_refusal(proc, *words)
+    one_line_refusal(proc, *words, code=code)
     assert not (bfexp.cwd / "run" / "logs").exists(), "no rank may start on bad input"
 
 
@@ -123,33 +124,32 @@ def test_bad_launcher_settings_are_one_line(bfexp, overrides, words):
 def test_srun_outside_an_allocation_is_refused(bfexp, monkeypatch):
     for key in ("SLURM_JOB_ID", "SLURM_JOBID"):
         monkeypatch.delenv(key, raising=False)
-    one_line_refusal(bfexp("launcher=srun", "engine=mpi", "hydra.run.dir=run"), "launcher=srun")
+    one_line_refusal(bfexp("launcher=srun", "engine=mpi", "hydra.run.dir=run"), "launcher=srun", code=3)
     assert not (bfexp.cwd / "run" / "logs").exists()
 
 
-LAUNCH_BASE = {"ranks": 16, "engine": {"name": "mpi", "mpiexec_args": []}}
+def rank_command(launcher_node: dict, ranks: int = 16) -> list[str]:
+    """The worker's command as the driver builds it from a job whose launcher is ``launcher_node``."""
+    from omegaconf import OmegaConf
+
+    from bfexp.config import launcher_of
+    from bfexp.launch import launcher_command, worker_command
+
+    cfg = OmegaConf.create({"ranks": ranks, "engine": {"name": "mpi", "mpiexec_args": []}, "launcher": launcher_node})
+    return launcher_command(launcher_of(cfg), cfg, worker_command("RUN"))
 
 
 @pytest.mark.skipif(shutil.which("srun") is None, reason="needs Slurm's srun on PATH (.ci/run brings a local Slurm up)")
 def test_the_srun_command_spells_what_srun_users_type():
-    from omegaconf import OmegaConf
-
-    from bfexp.launch import rank_command
-
-    srun = rank_command(OmegaConf.create({**LAUNCH_BASE, "launcher": {
-        "name": "srun", "ranks_per_node": 8, "network_interface": None, "extra_args": []}}), "RUN")
+    srun = rank_command({"_target_": "bfexp.launchers.Srun", "ranks_per_node": 8, "network_interface": None,
+                         "extra_args": []})
     assert srun[1:6] == ["--mpi=pmix", "--ntasks=16", "--nodes=2", "--ntasks-per-node=8", "--kill-on-bad-exit=1"]
 
 
 def test_launcher_commands_spell_what_bfrun_users_type():
     """The rank command of each launcher carries the options the README documents."""
-    from omegaconf import OmegaConf
-
-    from bfexp.launch import rank_command
-
-    base = LAUNCH_BASE
-    mpirun = rank_command(OmegaConf.create({**base, "launcher": {"name": "mpirun", "hosts": "n1:8,n2:8", "hostfile": None,
-                                                                 "network_interface": "eth0", "extra_args": []}}), "RUN")
+    mpirun = rank_command({"_target_": "bfexp.launchers.Mpirun", "hosts": "n1:8,n2:8", "hostfile": None,
+                           "network_interface": "eth0", "extra_args": []})
     text = " ".join(mpirun)
     for part in ("-n 16", "--host n1:8,n2:8", "--mca btl_tcp_if_include eth0", "-x NCCL_SOCKET_IFNAME=eth0",
                  "--prtemca oob_tcp_if_include eth0", "-m bfexp.worker RUN"):
@@ -236,19 +236,19 @@ def test_detected_machines_give_the_numbers_of_todays_emulation(tmp_path):
 
 
 @pytest.mark.parametrize("launcher, ranks, most", [
-    ({"name": "mpirun", "hosts": "n1:8,n2:8", "hostfile": None}, 12, 8),   # mpirun fills n1's slots first
-    ({"name": "mpirun", "hosts": "n1:2,n2:6", "hostfile": None}, 5, 3),
-    ({"name": "srun", "ranks_per_node": 8}, 32, 8),
-    ({"name": "srun", "ranks_per_node": 8}, 4, 4),
-    ({"name": "local"}, 6, 6),
+    ({"_target_": "bfexp.launchers.Mpirun", "hosts": "n1:8,n2:8", "hostfile": None}, 12, 8),  # n1's slots first
+    ({"_target_": "bfexp.launchers.Mpirun", "hosts": "n1:2,n2:6", "hostfile": None}, 5, 3),
+    ({"_target_": "bfexp.launchers.Srun", "ranks_per_node": 8}, 32, 8),
+    ({"_target_": "bfexp.launchers.Srun", "ranks_per_node": 8}, 4, 4),
+    ({"_target_": "bfexp.launchers.Local"}, 6, 6),
 ])
 def test_ranks_per_machine_the_gpu_check_counts(launcher, ranks, most):
     """A GPU engine needs a GPU for each rank on the busiest machine of the placement."""
     from omegaconf import OmegaConf
 
-    from bfexp.launch import ranks_per_host
+    from bfexp.config import launcher_of
 
-    assert ranks_per_host(OmegaConf.create({"ranks": ranks, "launcher": launcher})) == most
+    assert launcher_of(OmegaConf.create({"ranks": ranks, "launcher": launcher})).ranks_per_host(ranks) == most
 
 
 def test_gpu_engine_over_mpirun_is_checked_before_any_rank(bfexp):
@@ -258,5 +258,5 @@ def test_gpu_engine_over_mpirun_is_checked_before_any_rank(bfexp):
     if ok:
         pytest.skip("this machine has the GPUs for engine=nccl")
     one_line_refusal(bfexp("engine=nccl", "launcher=mpirun", "launcher.hosts=localhost:2", "ranks=2",
-                           "hydra.run.dir=run"), "engine=nccl cannot run here")
+                           "hydra.run.dir=run"), "engine=nccl cannot run here", code=3)
     assert not (bfexp.cwd / "run" / "logs").exists()

@@ -72,7 +72,7 @@ def test_srun_launcher_inside_sbatch(tmp_path):
 def yaml_launcher(run_dir: Path) -> str:
     from omegaconf import OmegaConf
 
-    return str(OmegaConf.load(run_dir / "config.yaml").launcher.name)
+    return str(OmegaConf.load(run_dir / "config.yaml").launcher._target_).rpartition(".")[2].lower()
 
 
 def test_slurm_sweep_from_the_login_shell(tmp_path):

@@ -161,3 +161,69 @@ def test_user_algorithm_is_one_class_and_one_yaml(user_project):
     assert a["algorithm"] == "plain_atc" and b["algorithm"] == "dsgd"
     for key in ("final_loss", "final_eval_loss", "final_accuracy", "consensus_distance"):
         assert a[key] == b[key], key
+
+
+LAUNCHER_MODULE = '''
+from pathlib import Path
+
+from bfexp.errors import ConfigError
+from bfexp.launchers import Launcher, find_mpiexec
+
+
+class Site(Launcher):
+    """A user's launcher (a site's wrapper around mpiexec): it notes each command it gives."""
+
+    name = "site"
+    on_this_machine = True
+
+    def __init__(self, queue: str = "batch", note: str = "launched.txt") -> None:
+        if queue not in ("batch", "debug"):
+            raise ConfigError(f"launcher.queue={queue}; allowed: batch, debug")
+        self.queue, self.note = queue, note
+
+    def command(self, ranks, program, mpiexec_args=()):
+        line = [find_mpiexec(), "--oversubscribe", "-n", str(ranks), *mpiexec_args, *program]
+        Path(self.note).write_text(self.queue + " " + " ".join(line))
+        return line
+
+    def environment(self, ranks, env):
+        env["SITE_QUEUE"] = self.queue
+        return env
+'''
+
+LAUNCHER_YAML = """\
+# The user's launcher, from their own config dir.
+_target_: mysite.Site
+queue: batch
+note: launched.txt
+"""
+
+
+@pytest.fixture
+def user_launcher(bfexp):
+    (bfexp.cwd / "mysite.py").write_text(textwrap.dedent(LAUNCHER_MODULE))
+    (bfexp.cwd / "myconf" / "launcher").mkdir(parents=True)
+    (bfexp.cwd / "myconf" / "launcher" / "site.yaml").write_text(LAUNCHER_YAML)
+    return bfexp
+
+
+def test_user_launcher_starts_the_ranks(user_launcher):
+    """One class and one YAML of the user's: bfexp starts real MPI ranks through it."""
+    proc = user_launcher("--config-dir", "myconf", "launcher=site", "launcher.queue=debug", "engine=mpi", "ranks=2",
+                         "steps=10", "log_every=5", "baseline_steps=0", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    assert json.loads((user_launcher.cwd / "run" / "summary.json").read_text())["status"] == "completed"
+    queue, _, command = (user_launcher.cwd / "launched.txt").read_text().partition(" ")
+    assert queue == "debug" and " -n 2 " in command and command.endswith(f"-m bfexp.worker {user_launcher.cwd / 'run'}")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["launcher.queue=gpu"], ["launcher.queue=gpu", "allowed: batch, debug"]),
+    (["+launcher.nodes=2"], ["unknown key 'launcher.nodes'", "queue, note"]),
+])
+def test_user_launcher_bad_options_exit_2(user_launcher, args, words):
+    proc = user_launcher("--config-dir", "myconf", "launcher=site", *args, "engine=mpi", "hydra.run.dir=run")
+    assert proc.returncode == 2, proc.stderr + proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr
+    assert not (user_launcher.cwd / "launched.txt").exists()

@@ -74,7 +74,7 @@ _states: "weakref.WeakKeyDictionary[Engine, _RankState]" = weakref.WeakKeyDictio
 _states_lock = threading.Lock()
 
 
-def _engine() -> Engine:
+def initialized_engine() -> Engine:
     """The current bfexp engine (this virtual rank's, or the process's), once bf.init() has run here."""
     from bfexp import api
 
@@ -85,7 +85,7 @@ def _engine() -> Engine:
 
 
 def _state(engine: Engine | None = None) -> _RankState:
-    return _states[_engine() if engine is None else engine]
+    return _states[initialized_engine() if engine is None else engine]
 
 
 # ------------------------------------------------------------------ basics
@@ -118,39 +118,39 @@ def shutdown() -> None:
 
 
 def size() -> int:
-    return _engine().size
+    return initialized_engine().size
 
 
 def rank() -> int:
-    return _engine().rank
+    return initialized_engine().rank
 
 
 def local_size() -> int:
     """Ranks on this rank's machine (bfexp: ranks per machine, the same on every machine)."""
-    return _engine().local_size
+    return initialized_engine().local_size
 
 
 def local_rank() -> int:
-    return _engine().local_rank
+    return initialized_engine().local_rank
 
 
 def machine_size() -> int:
-    return _engine().machines
+    return initialized_engine().machines
 
 
 def machine_rank() -> int:
-    return _engine().machine
+    return initialized_engine().machine
 
 
 def is_homogeneous() -> bool:
     """Always True: bfexp places the same number of ranks on every machine, in rank order."""
-    _engine()
+    initialized_engine()
     return True
 
 
 def mpi_threads_supported() -> bool:
     """Whether the transport takes calls from several threads (virtual ranks: yes; MPI: THREAD_MULTIPLE)."""
-    engine = _engine()
+    engine = initialized_engine()
     if engine.name != "mpi":
         return True
     from mpi4py import MPI
@@ -160,13 +160,13 @@ def mpi_threads_supported() -> bool:
 
 def unified_mpi_window_model_supported() -> bool:
     """True: a window op's effect is visible to the next op on every engine (bfexp synchronizes them)."""
-    _engine()
+    initialized_engine()
     return True
 
 
 def nccl_built() -> bool:
     """Whether this job runs on bfexp's NCCL engine."""
-    return _engine().name == "nccl"
+    return initialized_engine().name == "nccl"
 
 
 def suspend() -> None:
@@ -179,11 +179,11 @@ def resume() -> None:
 
 def set_skip_negotiate_stage(value: bool) -> None:
     """True skips the cross-rank check of neighbor declarations (a mismatch then hangs, as raw MPI does)."""
-    _engine().check_neighbors = not bool(value)
+    initialized_engine().check_neighbors = not bool(value)
 
 
 def get_skip_negotiate_stage() -> bool:
-    return not _engine().check_neighbors
+    return not initialized_engine().check_neighbors
 
 
 # ------------------------------------------------------------------ topology
@@ -303,7 +303,7 @@ def wait(handle: int) -> Any:
 
 def barrier() -> None:
     """Return when every rank has called it."""
-    _engine().barrier()
+    initialized_engine().barrier()
 
 
 # ------------------------------------------------------------------ collectives
@@ -328,7 +328,7 @@ def allreduce_nonblocking(
     tensor: torch.Tensor, average: bool = True, is_hierarchical_local: bool = False, name: str | None = None
 ) -> int:
     """Start an average (or sum) over all ranks (``is_hierarchical_local``: over this machine's ranks)."""
-    engine = _engine()
+    engine = initialized_engine()
     if is_hierarchical_local:
         return _register(_local_allreduce(engine, tensor, average))
     return _register(engine.iallreduce(tensor, op="avg" if average else "sum"))
@@ -344,7 +344,7 @@ def allreduce_nonblocking_(
     tensor: torch.Tensor, average: bool = True, is_hierarchical_local: bool = False, name: str | None = None
 ) -> int:
     """allreduce_nonblocking written into ``tensor``."""
-    engine = _engine()
+    engine = initialized_engine()
     if is_hierarchical_local:
         h = _local_allreduce(engine, tensor, average)
         return _register(Handle(lambda: tensor.copy_(h.wait()), h.done))
@@ -358,7 +358,7 @@ def allreduce_(
 
 
 def broadcast_nonblocking(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
-    return _register(_engine().ibroadcast(tensor, root=root_rank))
+    return _register(initialized_engine().ibroadcast(tensor, root=root_rank))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
@@ -367,7 +367,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 
 
 def broadcast_nonblocking_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
-    return _register(_engine().ibroadcast_(tensor, root=root_rank))
+    return _register(initialized_engine().ibroadcast_(tensor, root=root_rank))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
@@ -376,7 +376,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
 
 
 def allgather_nonblocking(tensor: torch.Tensor, name: str | None = None) -> int:
-    return _register(_engine().iallgather(tensor))
+    return _register(initialized_engine().iallgather(tensor))
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -415,7 +415,7 @@ def neighbor_allgather_nonblocking(
         raise ValueError("src_ranks and dst_ranks have to be given together")
     if src_ranks is None:
         src_ranks, dst_ranks = in_neighbor_ranks(), out_neighbor_ranks()
-    return _register(_ordered_gather(_engine(), tensor, [int(r) for r in src_ranks], [int(r) for r in dst_ranks]))
+    return _register(_ordered_gather(initialized_engine(), tensor, [int(r) for r in src_ranks], [int(r) for r in dst_ranks]))
 
 
 def neighbor_allgather(
@@ -503,7 +503,7 @@ def neighbor_allreduce_nonblocking(
     name: str | None = None,
 ) -> int:
     """Start ``self_weight * x + sum_j src_weights[j] * dst_weight(j->i) * x_j`` (see neighbor_allreduce)."""
-    return _register(_engine().ineighbor_allreduce(tensor, *neighbor_args(self_weight, src_weights, dst_weights)))
+    return _register(initialized_engine().ineighbor_allreduce(tensor, *neighbor_args(self_weight, src_weights, dst_weights)))
 
 
 def neighbor_allreduce(
@@ -538,7 +538,7 @@ def hierarchical_neighbor_allreduce_nonblocking(
     name: str | None = None,
 ) -> int:
     args = machine_args(self_weight, src_machine_weights, dst_machine_weights)
-    return _register(_engine().ihierarchical_neighbor_allreduce(tensor, *args))
+    return _register(initialized_engine().ihierarchical_neighbor_allreduce(tensor, *args))
 
 
 def hierarchical_neighbor_allreduce(
@@ -566,7 +566,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
     is re-pointed at the window's memory: changing it in place changes what
     neighbors get, and win_update writes into it.
     """
-    engine, st = _engine(), _state()
+    engine, st = initialized_engine(), _state()
     if name in st.windows:
         raise ValueError(f"window {name!r} exists; win_free it first")
     own = engine.win_create(tensor, name, in_neighbor_ranks(), out_neighbor_ranks(), zero_init=zero_init)
@@ -581,7 +581,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
 
 def win_free(name: str | None = None) -> bool:
     """Collective: free one window (all when ``name`` is None); its tensor keeps its last value."""
-    engine, st = _engine(), _state()
+    engine, st = initialized_engine(), _state()
     for nm in sorted(st.windows) if name is None else [name]:
         if nm not in st.windows:
             raise ValueError(f"no window {nm!r}; created: {sorted(st.windows) or 'none'}")
@@ -616,7 +616,7 @@ def _register_win(handle: Handle) -> int:
 
 def _push(tensor: torch.Tensor, name: str, self_weight: float | None, dst_weights: Weights | None,
           accumulate: bool) -> int:
-    engine, own = _engine(), _window(name)
+    engine, own = initialized_engine(), _window(name)
     outs = out_neighbor_ranks()
     dst = {r: 1.0 for r in outs} if dst_weights is None else {int(k): float(v) for k, v in dst_weights.items()}
     _subset(dst, outs, "dst_weights", "out-neighbors")
@@ -655,7 +655,7 @@ def win_accumulate(tensor: torch.Tensor, name: str, self_weight: float | None = 
 
 def win_get_nonblocking(name: str, src_weights: Weights | None = None, require_mutex: bool = False) -> int:
     """Start fetching ``w * (in-neighbor's tensor)`` into this rank's slots (default: all, w = 1)."""
-    engine = _engine()
+    engine = initialized_engine()
     _window(name)
     ins = in_neighbor_ranks()
     src = {r: 1.0 for r in ins} if src_weights is None else {int(k): float(v) for k, v in src_weights.items()}
@@ -699,7 +699,7 @@ def win_update(name: str, self_weight: float | None = None, neighbor_weights: We
     """
     if (self_weight is None) != (neighbor_weights is None):
         raise ValueError("self_weight and neighbor_weights have to be given together")
-    engine, st, own = _engine(), _state(), _window(name)
+    engine, st, own = initialized_engine(), _state(), _window(name)
     if self_weight is None:
         self_weight, neighbor_weights = _default_recv_weights(st.topology, st.weighted, rank())
     elif not isinstance(neighbor_weights, Mapping):
@@ -741,7 +741,7 @@ def win_mutex(name: str, for_self: bool = False, ranks: Sequence[int] | None = N
 
 def win_associated_p(name: str) -> float:
     """The push-sum weight p of the window's own tensor (1.0 while associated p is off, as in BlueFog)."""
-    engine, st = _engine(), _state()
+    engine, st = initialized_engine(), _state()
     if name not in st.windows:
         raise ValueError(f"no window {name!r}; created: {sorted(st.windows) or 'none'}")
     return engine.win_weight(name) if st.associated_p else 1.0
@@ -765,7 +765,7 @@ def get_win_version(name: str) -> dict[int, int]:
 
 def timeline_start_activity(tensor_name: str, activity_name: str) -> bool:
     """Open an activity on this rank's bfexp timeline (BFEXP_TIMELINE=DIR); False when tracing is off."""
-    engine = _engine()
+    engine = initialized_engine()
     if engine.timeline is None:
         return False
     _state(engine).activities[tensor_name] = (activity_name, time.perf_counter())
@@ -773,7 +773,7 @@ def timeline_start_activity(tensor_name: str, activity_name: str) -> bool:
 
 
 def timeline_end_activity(tensor_name: str) -> bool:
-    engine = _engine()
+    engine = initialized_engine()
     opened = _state(engine).activities.pop(tensor_name, None)
     if engine.timeline is None or opened is None:
         return False

@@ -131,7 +131,7 @@ class _Wrapper:
 
     def _setup(self, optimizer: torch.optim.Optimizer, model: Any, num_steps_per_communication: int) -> None:
         self._base = type(optimizer)
-        self._engine = ops._engine()
+        self._engine = ops.initialized_engine()
         self._models = _models(model)
         self._names = _named_parameters(optimizer, self._models)
         self._step_func: Callable | None = None

@@ -14,25 +14,25 @@ from typing import Any
 import torch
 
 from bfexp import api
-from bfexp.bluefog.ops import _engine
+from bfexp.bluefog.ops import initialized_engine
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite every rank's tensors with root_rank's, in place (``model.state_dict()``, ``named_parameters()``...)."""
-    _engine()  # BlueFog's rule: bf.init() first
+    initialized_engine()  # BlueFog's rule: bf.init() first
     api.broadcast_parameters(params, root=root_rank)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Make every rank's optimizer state and hyper-parameters root_rank's (bfexp.api.broadcast_optimizer_state:
     root's state_dict as it is; unlike BlueFog, no zero-gradient step first to create state)."""
-    _engine()
+    initialized_engine()
     api.broadcast_optimizer_state(optimizer, root=root_rank)
 
 
 def allreduce_parameters(params: Any) -> None:
     """Replace every rank's floating tensors by their average over all ranks, in place."""
-    engine = _engine()
+    engine = initialized_engine()
     with torch.no_grad():
         for group in api.fused_groups([t for t in api.parameter_tensors(params) if t.is_floating_point()]):
             engine.allreduce_(group, op="avg")

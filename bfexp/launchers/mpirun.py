@@ -1,0 +1,178 @@
+"""Open MPI's mpirun over machines reached with ssh, what BlueFog's bfrun and horovodrun wrap.
+
+``launcher=mpirun launcher.hosts='"n1:8,n2:8"'`` or ``launcher.hostfile=hosts.txt``
+(``n1 slots=8`` a line). Before any rank starts: every host resolves and
+answers ssh without a password, the slots cover the ranks, and the network
+interface exists here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+from bfexp.errors import ConfigError, LaunchError
+from bfexp.launchers.base import Launcher, find_mpiexec, processor_slots
+
+__all__ = ["Mpirun", "check_interface", "interface_args", "is_this_machine", "parse_hosts", "read_hostfile"]
+
+SSH_TIMEOUT_S = 5
+# Hosts found to answer ssh, so that a second preflight in the same driver does not ask again.
+_ANSWERED: set[str] = set()
+
+
+class Mpirun(Launcher):
+    """mpirun over ``hosts`` (``n1:8,n2:8``) or a ``hostfile``: one of the two.
+
+    ``network_interface``: the interface ranks talk over (Open MPI's btl/oob_tcp_if_include, NCCL's
+    NCCL_SOCKET_IFNAME), e.g. eth0. ``extra_args``: more arguments for mpirun.
+    """
+
+    name: ClassVar[str] = "mpirun"
+
+    def __init__(self, hosts: str | None = None, hostfile: str | None = None, network_interface: str | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
+        if hosts and hostfile:
+            raise ConfigError(f"launcher.hosts={hosts} and launcher.hostfile={hostfile}; allowed: one of the two")
+        if not (hosts or hostfile):
+            raise ConfigError("launcher=mpirun needs machines; allowed: launcher.hosts='\"n1:8,n2:8\"' "
+                              "or launcher.hostfile=PATH")
+        if hosts:
+            parse_hosts(hosts)  # its form, now
+        self.hosts_spec = None if hosts is None else str(hosts)
+        self.hostfile = None if hostfile is None else str(hostfile)
+        self.network_interface = network_interface
+        self.extra_args = [str(a) for a in extra_args]
+
+    @property
+    def key(self) -> str:
+        """How the user named the machines (for messages)."""
+        return f"launcher.hosts={self.hosts_spec}" if self.hosts_spec else f"launcher.hostfile={self.hostfile}"
+
+    def machines(self) -> list[tuple[str, int]]:
+        """(host, slots) as given."""
+        return parse_hosts(self.hosts_spec) if self.hosts_spec else read_hostfile(str(self.hostfile))
+
+    def hosts(self, ranks: int) -> list[tuple[str, int]]:
+        """Open MPI fills each host's slots in order."""
+        out, left = [], ranks
+        for host, slots in self.machines():
+            if left <= 0:
+                break
+            out.append((host, min(slots, left)))
+            left -= min(slots, left)
+        return out or [(socket.gethostname(), ranks)]
+
+    def check(self, ranks: int) -> None:
+        check_interface(self.network_interface)
+        machines = self.machines()
+        for host, _ in machines:
+            check_host(host, self.key)
+        slots = sum(n for _, n in machines)
+        if slots < ranks:
+            raise ConfigError(f"ranks={ranks} exceed the {slots} slots of {self.key}; allowed: ranks <= {slots}, "
+                              "or more slots")
+        find_mpiexec()
+
+    def command(self, ranks: int, program: Sequence[str], mpiexec_args: Sequence[str] = ()) -> list[str]:
+        placement = ["--host", self.hosts_spec] if self.hosts_spec else ["--hostfile", str(self.hostfile)]
+        # Fill each host's slots in order, threads free to move (horovodrun's defaults too).
+        return [find_mpiexec(), "-n", str(ranks), *placement, "--map-by", "slot", "--bind-to", "none",
+                *interface_args(self.network_interface), *map(str, mpiexec_args), *self.extra_args, *program]
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """``n1:8,n2:8`` -> [(n1, 8), (n2, 8)]; a host without ``:N`` has one slot (as mpirun's --host)."""
+    out = []
+    for item in str(spec).split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()) or slots == "0":
+            raise ConfigError(f"launcher.hosts={spec}; allowed: host:slots,... e.g. n1:8,n2:8")
+        out.append((name, int(slots or 1)))
+    return out
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """Open MPI's hostfile: ``host [slots=N]`` a line, ``#`` comments. A line without slots gets
+    the host's processor cores (as Open MPI does); only this machine's are known here, others count 1."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"launcher.hostfile={path} does not exist; allowed: a file of `host slots=N` lines")
+    out = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = next((w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")), None)
+        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+            raise ConfigError(f"launcher.hostfile={path} line {number}: slots={slots}; allowed: slots=N with N >= 1")
+        out.append((words[0], int(slots) if slots else (processor_slots() if is_this_machine(words[0]) else 1)))
+    if not out:
+        raise ConfigError(f"launcher.hostfile={path} names no host; allowed: `host slots=N` lines")
+    return out
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether a host name is this machine: it resolves to an address a socket here can bind."""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def check_host(host: str, key: str) -> None:
+    """A host must resolve, and (when it is another machine) answer ssh without a password (LaunchError)."""
+    if host in _ANSWERED or is_this_machine(host):
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        raise LaunchError(f"{key}: host {host} does not resolve; allowed: host names this machine resolves") from None
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        raise LaunchError(f"{key}: host {host} is another machine and ssh is not installed here; "
+                          "allowed: this machine's names, or install ssh")
+    try:
+        proc = subprocess.run([ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", host, "true"],
+                              capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 5, stdin=subprocess.DEVNULL)
+        answer = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        ok = proc.returncode == 0
+    except subprocess.TimeoutExpired:
+        ok, answer = False, f"no answer in {SSH_TIMEOUT_S + 5} s"
+    if not ok:
+        raise LaunchError(f"{key}: host {host} is not reachable over ssh ({answer}); "
+                          "allowed: hosts that answer `ssh -o BatchMode=yes HOST true`")
+    _ANSWERED.add(host)
+
+
+def check_interface(name: str | None) -> None:
+    """network_interface must name an interface of this machine (bad input: the user named it)."""
+    if not name:
+        return
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise ConfigError(f"launcher.network_interface={name} is not an interface here; allowed: {', '.join(names)}")
+
+
+def interface_args(name: str | None) -> list[str]:
+    """mpirun arguments that keep ranks on one interface, as bfrun and horovodrun set them:
+    MPI's TCP traffic (btl) and, off loopback, the runtime's own wire-up (oob); NCCL's sockets."""
+    if not name:
+        return []
+    args = ["--mca", "btl_tcp_if_include", name, "-x", f"NCCL_SOCKET_IFNAME={name}"]
+    if name != "lo":  # PRRTE wires daemons over routable interfaces only; on one machine it needs none
+        args += ["--prtemca", "oob_tcp_if_include", name]
+    return args
