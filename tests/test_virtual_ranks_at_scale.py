@@ -51,32 +51,31 @@ def _line_of(marker: str) -> int:
 
 def test_activity_names_the_call_and_its_call_site_while_it_runs():
     engines: dict[int, object] = {}
-    release = threading.Event()
+    # Rank 0 joins each op only once the watcher has seen rank 1 sitting in it (two ranks: two running slots).
+    release = {"allreduce": threading.Event(), "wait(allreduce)": threading.Event()}
     seen: dict[str, object] = {}
 
     def rank(engine):
         engines[engine.rank] = engine
         if engine.rank == 0:
-            release.wait(30)  # rank 1 sits in the allreduce until rank 0 joins it
+            release["allreduce"].wait(30)
         engine.allreduce(torch.ones(3))  # site: blocking
         if engine.rank == 0:
-            release.wait(30)
+            release["wait(allreduce)"].wait(30)
         handle = engine.iallreduce(torch.ones(3))
         return handle.wait()  # site: handle wait
 
     def watch():
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and len(seen) < 2:
             one = engines.get(1)
             activity = getattr(one, "activity", None) if one is not None else None
-            if activity is not None:
-                key = activity.op
-                seen.setdefault(key, activity.where())
-                if key == "allreduce" or key == "wait(allreduce)":
-                    release.set()
-            if len(seen) == 2:
-                return
+            if activity is not None and activity.op in release:
+                seen.setdefault(activity.op, activity.where())
+                release[activity.op].set()
             time.sleep(0.001)
+        for event in release.values():  # whatever happened, let the ranks finish
+            event.set()
 
     watcher = threading.Thread(target=watch)
     watcher.start()
