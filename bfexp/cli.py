@@ -72,6 +72,12 @@ Hydra's own options: bfexp --hydra-help
 """
 
 
+def reset_state() -> None:
+    """Forget the jobs this process ran (a caller that runs ``command`` again in one interpreter)."""
+    _current.clear()
+    _job_statuses.clear()
+
+
 def print_help() -> None:
     rows = [f"  {g:<10} {', '.join(group_options(g))}" for g in GROUPS]
     print(HELP.format(groups="\n".join(rows), experiments=", ".join(group_options("experiment"))))

@@ -116,10 +116,9 @@ CASES = [
 ]
 
 RUNNER = textwrap.dedent("""
-    import contextlib, io, json, os, sys, traceback
+    import json, os, sys
     from pathlib import Path
-    import bfexp.cli as cli
-    from hydra.core.global_hydra import GlobalHydra
+    from tests.cli_in_process import call
 
     out = {}
     for case in json.loads(sys.argv[1]):
@@ -127,20 +126,9 @@ RUNNER = textwrap.dedent("""
         folder.mkdir(parents=True)
         (folder / "afile").write_text("a file, not a folder")
         os.chdir(folder)
-        err = io.StringIO()
-        code, escaped = 0, None
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                cli.command(case["args"])
-            except SystemExit as e:
-                code = e.code
-            except BaseException:
-                escaped = traceback.format_exc()
-        GlobalHydra.instance().clear()
-        cli._current.clear()
-        cli._job_statuses.clear()
+        got = call(case["args"])
         left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name != "afile")
-        out[case["id"]] = {"code": code, "stderr": err.getvalue(), "escaped": escaped, "left": left}
+        out[case["id"]] = {"code": got["code"], "stderr": got["stderr"], "escaped": got["escaped"], "left": left}
     print(json.dumps(out))
 """)
 

@@ -274,12 +274,12 @@ EXTRA = {
 }
 
 DRIVER = textwrap.dedent("""
-    import contextlib, io, json, os, sys, time, traceback
+    import json, os, sys, time
     from pathlib import Path
     import bfexp.cli as cli
     from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
+    from tests.cli_in_process import call
     from omegaconf import OmegaConf
     import bfexp.slurm
 
@@ -302,21 +302,11 @@ DRIVER = textwrap.dedent("""
             (folder / path).parent.mkdir(parents=True, exist_ok=True)
             (folder / path).write_text(text)
         os.chdir(folder)
-        err, stdout = io.StringIO(), io.StringIO()
-        code, escaped, start = 0, None, time.perf_counter()
+        start = time.perf_counter()
         jobs.clear()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
-            try:
-                cli.command(case["args"])
-            except SystemExit as e:
-                code = e.code
-            except BaseException:
-                escaped = traceback.format_exc()
-        GlobalHydra.instance().clear()
-        cli._current.clear()
-        cli._job_statuses.clear()
-        out[case["id"]] = {"code": code, "stderr": err.getvalue(), "stdout": stdout.getvalue()[:20000],
-                           "escaped": escaped, "jobs": list(jobs), "seconds": time.perf_counter() - start}
+        got = call(case["args"])
+        out[case["id"]] = {**got, "stdout": got["stdout"][:20000], "jobs": list(jobs),
+                           "seconds": time.perf_counter() - start}
     print(json.dumps(out, default=str))
 """)
 
