@@ -11,10 +11,10 @@
   ``bfexp algorithm=exact_diffusion topology=exp2 -m ranks=8,32,128``,
   ``--sweeps`` times (same load); counts the jobs that completed.
 * signals: for each rank count in ``--signal-ranks``, ``--trials`` jobs get
-  a SIGTERM at a moment drawn uniformly over the job's length (measured
-  first, once per rank count: start-up, training, the figures after
-  training and writing results all get hit), half of them a second SIGTERM
-  0.2-1 s later. The job must end within 10 s of the first signal with a
+  a SIGTERM at a random moment of the job's length (measured first, once
+  per rank count), one moment drawn in each of ``--trials`` equal slices of
+  it, so start-up, training, the figures after training and writing
+  results all get hit; every other job gets a second SIGTERM 0.2-1 s later. The job must end within 10 s of the first signal with a
   valid summary.json (and within 2 s of the second), leaving no process.
 
 Each line is one job; the last lines are the counts. The exit status is 0
@@ -188,6 +188,15 @@ def signal_trial(overrides: list[str], run_dir: Path, at_s: float, second_after_
     return ok, detail
 
 
+def signal_moments(rng: random.Random, length_s: float, trials: int) -> list[tuple[float, float | None]]:
+    """(when the first SIGTERM goes, how long after it a second one does or None): one moment drawn in each
+    of ``trials`` equal slices of the job's length (one in the last slice may find the job ended: that
+    counts as ended in time), a second signal every other trial."""
+    slice_s = length_s / trials
+    return [(rng.uniform(i * slice_s, (i + 1) * slice_s), rng.uniform(0.2, 1.0) if i % 2 else None)
+            for i in range(trials)]
+
+
 def signals(args: argparse.Namespace, work: Path) -> tuple[int, int]:
     rng = random.Random(args.seed)
     good = total = 0
@@ -195,9 +204,7 @@ def signals(args: argparse.Namespace, work: Path) -> tuple[int, int]:
         overrides = ["engine=threads", f"ranks={ranks}", f"steps={args.signal_steps}"]
         whole = run_job(overrides, work / f"length{ranks}")
         print(f"signals: ranks={ranks} steps={args.signal_steps} unsignalled job: {whole.line()}", flush=True)
-        for i in range(args.trials):
-            at = rng.uniform(0.0, whole.wall_s)
-            second = rng.uniform(0.2, 1.0) if i % 2 else None
+        for i, (at, second) in enumerate(signal_moments(rng, whole.wall_s, args.trials)):
             ok, detail = signal_trial(overrides, work / f"signal{ranks}-{i}", at, second)
             good, total = good + ok, total + 1
             print(f"signals: ranks={ranks} trial {i + 1}/{args.trials} {'ok' if ok else 'MISSED'}: {detail}", flush=True)

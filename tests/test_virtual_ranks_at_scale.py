@@ -8,7 +8,7 @@
   the ranks it waits for could never run).
 * A soak: 128 virtual ranks on dsgd, exact_diffusion, push_sum and gossip,
   a CPU-bound process beside them, the watchdog checking at every turn of
-  the driver's loop: every job completes. The larger form (256 ranks, 200
+  the driver's loop: every job completes. The larger form (256 ranks, 100
   steps) carries the ``soak`` mark: .ci/run runs it, ``make test`` does not.
 * SIGTERM at a random moment ends a 128- (soak: 256-) rank job within 10 s
   with a valid summary.json, a second SIGTERM within 2 s, no process left.
@@ -185,24 +185,21 @@ def _soak(tmp_path: Path, algorithm: str, ranks: int, steps: int) -> None:
 
 @pytest.mark.parametrize("algorithm", SOAK_ALGORITHMS)
 def test_soak_128_virtual_ranks_under_load(tmp_path, algorithm, loaded, frequent_checks):
-    _soak(tmp_path, algorithm, 128, 40)
+    _soak(tmp_path, algorithm, 128, 20)
 
 
 @pytest.mark.soak
 @pytest.mark.parametrize("algorithm", SOAK_ALGORITHMS)
 def test_soak_256_virtual_ranks_under_load(tmp_path, algorithm, loaded, frequent_checks):
-    _soak(tmp_path, algorithm, 256, 200)
+    _soak(tmp_path, algorithm, 256, 100)
 
 
 def _signals(tmp_path: Path, ranks: int, steps: int, trials: int, seed: int) -> None:
     overrides = ["engine=threads", f"ranks={ranks}", f"steps={steps}"]
     whole = soak_threads.run_job(overrides, tmp_path / "whole", timeout_s=600)
     assert whole.status == "completed", whole.line()
-    rng = random.Random(seed)
     missed = []
-    for i in range(trials):
-        at = rng.uniform(0.0, whole.wall_s)
-        second = rng.uniform(0.2, 1.0) if i % 2 else None
+    for i, (at, second) in enumerate(soak_threads.signal_moments(random.Random(seed), whole.wall_s, trials)):
         ok, detail = soak_threads.signal_trial(overrides, tmp_path / f"trial{i}", at, second)
         print(detail)
         if not ok:
@@ -211,9 +208,9 @@ def _signals(tmp_path: Path, ranks: int, steps: int, trials: int, seed: int) -> 
 
 
 def test_sigterm_at_a_random_moment_ends_128_virtual_ranks_in_time(tmp_path):
-    _signals(tmp_path, 128, 40, trials=2, seed=int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0))
+    _signals(tmp_path, 128, 20, trials=2, seed=int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0))
 
 
 @pytest.mark.soak
 def test_sigterm_at_random_moments_ends_256_virtual_ranks_in_time(tmp_path):
-    _signals(tmp_path, 256, 100, trials=6, seed=1)
+    _signals(tmp_path, 256, 100, trials=4, seed=1)
