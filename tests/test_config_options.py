@@ -2,16 +2,26 @@
 
 Options are discovered from conf/, so a new option is covered the day it
 lands. EXTRA gives an option the context it needs to run small here.
+
+Every job goes through bfexp's real command line, all of them in one
+interpreter (tests/cli_in_process.py), each in a folder of its own: the
+jobs' ranks are the real ones (virtual ranks, or MPI processes started by
+mpiexec for the engines, the launchers and ddp), without an interpreter and
+torch start per option.
 """
 
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from bfexp.cli import GROUPS, group_options
+from tests.conftest import REPO
 
 # Overrides an option needs to run small on this machine.
 EXTRA: dict[tuple[str, str], list[str]] = {
@@ -59,15 +69,49 @@ def engine_for(group: str, option: str) -> list[str]:
     return ["engine=threads"]
 
 
+RUNNER = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from tests.cli_in_process import call
+
+    out = {}
+    for case in json.loads(sys.argv[1]):
+        folder = Path(case["folder"])
+        folder.mkdir(parents=True)
+        os.chdir(folder)
+        got = call(case["args"])
+        summary = folder / "run" / "summary.json"
+        out[case["id"]] = {**got, "stdout": got["stdout"][-2000:],
+                           "summary": json.loads(summary.read_text()) if summary.exists() else None}
+    print(json.dumps(out))
+""")
+
+
+def args_for(group: str, option: str) -> list[str]:
+    return [f"{group}={option}", "ranks=2", "steps=4", "log_every=2", "hydra.run.dir=run",
+            *engine_for(group, option), *EXTRA.get((group, option), [])]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    """Every option that can run here, through the CLI in one interpreter: {id: exit code, output, summary}."""
+    root = tmp_path_factory.mktemp("options")
+    cases = [{"id": f"{g}={o}", "args": args_for(g, o), "folder": str(root / f"{g}-{o}")}
+             for g, o in CASES if (g, o) not in UNAVAILABLE]
+    env = {k: v for k, v in os.environ.items() if k != "BFEXP_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(cases)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
-def test_option_composes_and_runs(bfexp, group, option):
+def test_option_composes_and_runs(jobs, group, option):
     if (group, option) in UNAVAILABLE:
         pytest.skip(UNAVAILABLE[(group, option)])
-    args = [f"{group}={option}", "ranks=2", "steps=4", "log_every=2", "hydra.run.dir=run",
-            *engine_for(group, option), *EXTRA.get((group, option), [])]
-    proc = bfexp(*args)
-    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
-    summary = json.loads((bfexp.cwd / "run" / "summary.json").read_text())
-    assert summary["status"] == "completed"
+    got = jobs[f"{group}={option}"]
+    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"] + got["stdout"]
+    summary = got["summary"]
+    assert summary is not None and summary["status"] == "completed", got["stderr"] + got["stdout"]
     if group in ("algorithm", "model", "dataset"):
         assert summary[group] == option
