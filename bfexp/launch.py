@@ -182,7 +182,6 @@ def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = Non
     return summary
 
 
-
 class Signals:
     """SIGINT, SIGTERM and SIGUSR1 to the driver: Ctrl-C, `kill`, and what Slurm sends before a time limit.
 

@@ -45,7 +45,6 @@ come, first served).
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import sys
 import threading
@@ -63,6 +62,7 @@ from bfexp.comm.engine import HALF_DTYPES, Call, Engine, NeighborSpec, Pending, 
 from bfexp.comm.engine import first_dims, ungather, weighted_combine_, work_dtype
 from bfexp.comm.rendezvous import POLL_S, Rendezvous
 from bfexp.errors import CommError, RankAborted
+from bfexp.launchers.base import processor_slots
 
 __all__ = ["RankAborted", "ThreadWorld", "ThreadsEngine", "current_rank", "routed_output", "run_threads"]
 
@@ -123,11 +123,7 @@ def _fresh_rng_states() -> tuple[Any, Any, Any]:
 def running_slots() -> int:
     """How many virtual ranks compute at once (bfexp.comm.rendezvous's running slots): the processors
     this process may use, at least two (a rank that sleeps between engine calls holds its slot)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(2, cores)
+    return max(2, processor_slots())
 
 
 class ThreadWorld(Rendezvous):
