@@ -235,9 +235,7 @@ class Rendezvous:
                 self._take_turn(rank)
                 self._turn_in(rank)
                 return
-            while not self._take_slot(rank):
-                self.raise_if_failed()
-                self._wake[rank].wait(self.poll_s)
+            self._wait_for_slot(rank)
 
     def take_turns(self, rank: int) -> None:
         """``rank`` is at an engine call: having run ``QUANTUM_S`` with others in line, it hands on."""
@@ -253,13 +251,18 @@ class Rendezvous:
             if self.scheduled or rank not in self._holding or not self._slot_queue:
                 return
             self._release_slot(rank)
-            try:
-                while not self._take_slot(rank):
-                    self.raise_if_failed()
-                    self._wake[rank].wait(self.poll_s)
-            finally:
-                if rank in self._slot_queue:
-                    self._slot_queue.remove(rank)
+            self._wait_for_slot(rank)
+
+    def _wait_for_slot(self, rank: int) -> None:
+        """Block until ``rank`` holds a running slot; leave the line if the world fails meanwhile (caller
+        holds ``lock``)."""
+        try:
+            while not self._take_slot(rank):
+                self.raise_if_failed()
+                self._wake[rank].wait(self.poll_s)
+        finally:
+            if rank in self._slot_queue:
+                self._slot_queue.remove(rank)
 
     def _take_slot(self, rank: int) -> bool:
         """Take a running slot for ``rank`` if one is free and nobody is ahead in line, else join the line
