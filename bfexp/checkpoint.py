@@ -244,6 +244,8 @@ class Checkpointer:
                           + (f": {problem}" if problem else ""))
         if self.engine.rank == 0:
             self._commit(step)
+        # No rank goes on (and can fail, ending the job) before the checkpoint is committed.
+        self.engine.barrier()
         return any(s > 0 for s in stops)
 
     def _folder(self, step: int) -> Path:

@@ -201,12 +201,13 @@ class Rendezvous:
         try:
             while True:
                 # What has completed stays completed, as on MPI: a collective every member joined
-                # returns on every member even when one of them fails right after it.
+                # returns on every member even when one of them fails right after it (with no running
+                # slot free then: the rank meets the failure at its next engine call).
                 if scheduled:
                     if self._running == rank:
                         self._turn_in(rank)
                         return
-                elif ready() and self._take_slot(rank):
+                elif ready() and (self._take_slot(rank) or self.failed):
                     if resume is not None:
                         self.clock[rank] = max(self.clock[rank], resume())
                     return

@@ -74,6 +74,29 @@ def test_a_collective_that_completed_returns_even_when_a_member_fails_right_afte
         assert isinstance(world.errors[0], RankAborted) and isinstance(world.errors[1], ValueError)
 
 
+def test_a_completed_collective_returns_even_when_its_rank_waits_for_a_running_slot_as_the_failure_comes():
+    """One running slot: rank 1 completes the allreduce and keeps the slot computing, then raises. Rank 0's
+    allreduce is done, only its slot is not free when the failure wakes it: it still gets the sum (CI saw a
+    checkpoint's commit lost this way: the rank that failed ran on through local steps)."""
+    world = ThreadWorld(2, running=1)
+    got: dict[int, list] = {}
+
+    def main(engine):
+        if engine.rank == 1:
+            time.sleep(0.02)  # rank 0 is inside the allreduce when rank 1 completes it
+        got[engine.rank] = engine.allreduce(torch.ones(3), op="sum").tolist()
+        if engine.rank == 1:
+            time.sleep(0.1)  # computing, the only slot held
+            raise ValueError("right after the allreduce")
+        engine.barrier()
+
+    # The failing rank reports (and keeps its slot) a while after the failure is known.
+    world.start(main, lambda rank, exc: time.sleep(0.3))
+    assert world.join(10)
+    assert got.get(0) == [2.0, 2.0, 2.0], messages(world)
+    assert isinstance(world.errors[0], RankAborted) and isinstance(world.errors[1], ValueError)
+
+
 def test_an_abort_from_outside_wakes_every_blocked_rank():
     """What the launcher does on SIGINT/SIGTERM or timeout: ranks blocked forever end at once."""
     release = threading.Event()
