@@ -122,7 +122,7 @@ def foreign(target: Any) -> bool:
     return not str(getattr(target, "__module__", "")).startswith("bfexp.")
 
 
-def dry_build(cfg: Any) -> list[str]:
+def dry_build(cfg: Any, launcher: Any = None) -> list[str]:
     """Build, before any rank starts, everything the ranks will build, as cheaply as possible:
     the topology, the algorithm's options, requirements and engine, the data set (its files),
     the model on the meta device and the optimizer on one dummy parameter. Raises
@@ -132,15 +132,15 @@ def dry_build(cfg: Any) -> list[str]:
 
     from bfexp.assembly import resolve
     from bfexp.comm import engine_class
-    from bfexp.config import ConfigError, build, check_node, check_optimizer_options, label
-    from bfexp.launch import check_memory
+    from bfexp.config import ConfigError, build, check_node, check_optimizer_options, label, launcher_of
+    from bfexp.preflight import check_memory
     from bfexp.models import parameter_count, sample_shape
     from bfexp.watchdog import PROCESS_ONLY_MODES
     from bfexp.scaling import declared_speed, missing_speed_message
     from bfexp.topology import build_topology
     from bfexp.lazy_dynamo import defer_dynamo
     from bfexp.config import job_kind
-    from bfexp.worker import topology_ranks_per_machine
+    from bfexp.summary import topology_ranks_per_machine
 
     defer_dynamo()  # torch.optim would import torch._dynamo (a second) only to mark code for a compiler
 
@@ -172,7 +172,7 @@ def dry_build(cfg: Any) -> list[str]:
     in_shape, classes = guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
     parameters = guarded("model", model_target, lambda: parameter_count(cfg.model, in_shape, classes))
     if not modeled:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
-        check_memory(cfg, int(parameters), torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size())
+        check_memory(cfg, launcher or launcher_of(cfg), int(parameters), getattr(torch, cfg.dtype).itemsize)
     optimizer_target, optimizer_options = check_node(cfg.optimizer, "optimizer", runtime=("params",))
     check_optimizer_options(optimizer_options)
     guarded("optimizer", optimizer_target,
@@ -374,17 +374,21 @@ def run_job(cfg: Any) -> str:
     try:
         try:
             validate(cfg)
-            from bfexp.launch import EarlyRanks, check_engine, launch, resolve_engine
+            from bfexp.config import launcher_of
+            from bfexp.launch import launch
+            from bfexp.preflight import check_engine, resolve_engine
+            from bfexp.sessions import EarlyRanks
 
-            choice = None
+            choice = launcher = None
             if job_kind(cfg) != "modeled":
                 cfg, choice = resolve_engine(cfg)
-                if EarlyRanks.wanted(cfg):  # their start-up overlaps torch's import and the checks below
-                    early = EarlyRanks(cfg, run_dir)
+                launcher = launcher_of(cfg)  # built once for the job
+                if EarlyRanks.wanted(cfg, launcher):  # their start-up overlaps torch's import and the checks below
+                    early = EarlyRanks(cfg, run_dir, launcher)
                     PHASES.mark("ranks started early (they wait for the checks)")
-                check_engine(cfg)  # e.g. engine=nccl without a GPU; imports torch
+                check_engine(cfg, launcher)  # e.g. engine=nccl without a GPU; imports torch
             PHASES.mark("validate, engine choice")
-            notes = dry_build(cfg)
+            notes = dry_build(cfg, launcher)
             PHASES.mark("dry build: torch, components")
         except (ConfigError, LaunchError) as e:
             refuse(e)
@@ -399,7 +403,7 @@ def run_job(cfg: Any) -> str:
                 print(f"note: {note}", flush=True)
         title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
         from bfexp.errors import Interrupted
-        from bfexp.launch import SIGNALS
+        from bfexp.signals import SIGNALS
         from bfexp.loggers import open_tracker
         from bfexp.progress import ConsoleProgress, print_summary
 
@@ -408,7 +412,7 @@ def run_job(cfg: Any) -> str:
             try:
                 PHASES.mark("progress display, tracker")
                 result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),
-                                engine_choice=choice, early=early, checked=True)
+                                engine_choice=choice, early=early, launcher=launcher, checked=True)
                 PHASES.mark("launch: the ranks, start to end")
             except (ConfigError, LaunchError) as e:  # e.g. a checkpoint of another experiment in the folder
                 refuse(e)
@@ -454,7 +458,7 @@ def print_timing(run_dir: Path) -> None:
 
 def interrupted_early(signum: int) -> None:
     """A stop signal before the job's ranks started: say so in its folder, if it has one (cheaply:
-    the driver is ending; the job's identity when the worker is imported already)."""
+    the driver is ending; the job's identity once torch is imported already)."""
     run_dir, cfg = _current.get("run_dir"), _current.get("cfg")
     if run_dir is None and "planned" in _current:  # Hydra made the folder; bfexp's code had not begun
         run_dir, cfg = _current["planned"]
@@ -463,8 +467,10 @@ def interrupted_early(signum: int) -> None:
     summary: dict[str, Any] = {}
     with contextlib.suppress(Exception):  # whatever of the config can be read cheaply
         summary = {k: cfg[k] for k in ("ranks", "seed", "batch_size", "lr")}
-        if "bfexp.worker" in sys.modules:
-            summary = sys.modules["bfexp.worker"].job_identity(cfg)
+        if "torch" in sys.modules:  # the components' classes import cheaply now
+            from bfexp.summary import job_identity
+
+            summary = job_identity(cfg)
     summary.update(status=results.INTERRUPTED, error=f"interrupted by {signal.Signals(signum).name} before any rank started",
                    resume_command=_current.get("resume") or f"bfexp resume={run_dir}")
     with contextlib.suppress(OSError):
@@ -558,7 +564,7 @@ def command(args: list[str]) -> None:
     # Let Hydra's errors reach us instead of being printed over many lines.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from bfexp.errors import Interrupted, LaunchError
-    from bfexp.launch import SIGNALS
+    from bfexp.signals import SIGNALS
 
     SIGNALS.install()  # SIGINT/SIGTERM/SIGUSR1: a running job stops at a checkpoint, otherwise we end here
     try:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -239,3 +242,98 @@ class JsonlTail:
             return []
         self.offset += end + 1
         return [json.loads(l) for l in data[: end + 1].decode().splitlines() if l.strip()]
+
+
+# ---------------------------------------------------------------- failure records: a rank writes, the driver reads
+
+
+def record_failure(run_dir: str | os.PathLike, rank: int, exc: BaseException) -> None:
+    """A rank leaves the reason it fails (errors/rank<N>.json) before MPI tears the job down; call it in the
+    ``except`` block (the traceback is the one being handled)."""
+    import traceback
+
+    write_json_atomic(Path(run_dir) / ERRORS_DIR / f"rank{rank}.json", {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc).splitlines()[0] if str(exc) else "",
+        "traceback": traceback.format_exc(),
+        "time": time.time(),
+    })
+
+
+def rank_errors(run_dir: str | os.PathLike) -> list[dict]:
+    """The failures the ranks recorded, earliest first."""
+    found = [r for r in map(read_json, sorted((Path(run_dir) / ERRORS_DIR).glob("rank*.json"))) if r]
+    return sorted(found, key=lambda r: r.get("time", 0.0))
+
+
+def describe_errors(errors: list[dict]) -> str:
+    """One line: the first failure, and which other ranks failed."""
+    first = errors[0]
+    text = f"rank {first['rank']}: {first['type']}: {first['message']}"
+    others = sorted({e["rank"] for e in errors[1:]})
+    if others:
+        text += f" (also failed: ranks {', '.join(map(str, others))})"
+    return text
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.*)$")
+
+
+def exception_in_logs(run_dir: str | os.PathLike) -> str | None:
+    """The last Python exception line a rank printed (for ranks that died
+    before they could record their failure, e.g. on an import error)."""
+    logs = Path(run_dir) / LOGS_DIR
+    for path in sorted(logs.glob("rank*.log")) + [logs / "mpiexec.log"]:
+        if not path.exists():
+            continue
+        for line in reversed(path.read_text(errors="replace").splitlines()):
+            m = _EXCEPTION_LINE.match(line.strip())
+            if m:
+                rank = path.stem[4:] if path.stem.startswith("rank") else "?"
+                return f"rank {rank}: {m.group(1)}: {m.group(2)}"
+    return None
+
+
+# ---------------------------------------------------------------- room for the summary on a full disk
+
+# Disk held in the run folder while ranks run, given back to write the summary when the disk fills up.
+RESERVE = ".space_reserve"
+RESERVE_BYTES = 64 * 1024
+
+
+def reserve_space(run_dir: str | os.PathLike) -> None:
+    """Hold a little disk in the run folder, so a full disk still leaves room for the summary."""
+    try:
+        with open(Path(run_dir) / RESERVE, "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        (Path(run_dir) / RESERVE).unlink(missing_ok=True)
+
+
+def release_space(run_dir: str | os.PathLike) -> None:
+    (Path(run_dir) / RESERVE).unlink(missing_ok=True)
+
+
+def disk_full(run_dir: str | os.PathLike) -> str | None:
+    """A sentence when the run folder's disk has (almost) no room left."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free > RESERVE_BYTES:
+        return None
+    return f"no space left on the run folder's disk ({free} bytes free in {run_dir})"
+
+
+def output_to(path: str | os.PathLike) -> None:
+    """This process's stdout and stderr (Python's and C's) into ``path``: a rank's log (logs/rank<N>.log)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

@@ -39,7 +39,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -124,15 +123,18 @@ def launcher_for(args: argparse.Namespace) -> Any:
 
 
 def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_args: list[str]) -> int:
-    from bfexp import launch, results
-    from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError, LaunchError
-
+    from bfexp import results
     from bfexp.comm import engine_class
+    from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError, LaunchError
+    from bfexp.launch import ProcessRanks, watch
+    from bfexp.preflight import memory_fits, preflight
+    from bfexp.sessions import launcher_environment
+    from bfexp.signals import SIGNALS
 
     try:
         launcher = launcher_for(args)
-        launch.preflight("mpi", args.ranks, launcher)  # mpi4py here; hosts resolve and answer ssh, enough slots
-        launch.memory_fits(engine_class("mpi"), args.ranks, launcher.ranks_per_host(args.ranks), 0)
+        preflight("mpi", args.ranks, launcher)  # mpi4py here; hosts resolve and answer ssh, enough slots
+        memory_fits(engine_class("mpi"), args.ranks, launcher.ranks_per_host(args.ranks), 0)
     except (ConfigError, LaunchError) as e:
         print(f"bfexp-run: {e}", file=sys.stderr)
         return EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT
@@ -140,45 +142,37 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
     shutil.rmtree(run_dir / results.ERRORS_DIR, ignore_errors=True)  # a rerun into the same folder starts clean
     run_dir.mkdir(parents=True, exist_ok=True)
     program = [python, "-m", "mpi4py", "-m", "bfexp.run", "--rank", *target, *script_args]
-    command = launcher.command(args.ranks, program)
-    env = launch.launcher_environment(launcher, args.ranks)
+    env = launcher_environment(launcher, args.ranks)
     env[RUN_DIR_VARIABLE] = str(run_dir)
     if args.log_dir:
         env[LOG_DIR_VARIABLE] = str(Path(args.log_dir).resolve())
-    failure_seen_at: float | None = None
-    with launch.SIGNALS.job() as signals:
+    with SIGNALS.job() as signals:
         start = len(signals.received)
         # With --log-dir, mpiexec's own words (a rank killed by a signal, MPI_Abort) go beside the ranks' logs.
         log = open(run_dir / "mpiexec.log", "wb") if args.log_dir else None
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                start_new_session=True)
+        ranks = ProcessRanks(subprocess.Popen(launcher.command(args.ranks, program), stdin=subprocess.DEVNULL,
+                                              stdout=log, stderr=log, env=env, start_new_session=True), run_dir)
         try:
-            while proc.poll() is None:
-                time.sleep(0.1)
-                if len(signals.received) > start:
-                    break
-                if failure_seen_at is None and (run_dir / results.ERRORS_DIR).exists():
-                    failure_seen_at = time.monotonic()
-                if failure_seen_at is not None and time.monotonic() - failure_seen_at > launch.FAILURE_GRACE_S:
-                    break  # a rank failed and the rest did not go down with it
+            watch(ranks, lambda: "a signal" if signals.since(start) else None)  # a signal ends the ranks at once
         finally:
-            launch.terminate_session(proc)  # mpiexec's whole session: no rank outlives the launch
+            ranks.end("the launch is over")  # mpiexec's whole session: no rank outlives the launch
             if log is not None:
                 log.close()
-    errors = launch.rank_errors(run_dir)
+    errors = results.rank_errors(run_dir)
     if not args.log_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
-    if len(signals.received) > start:
-        sig = signals.received[-1]
+    sig = signals.since(start)
+    if sig:
         print(f"bfexp-run: interrupted by {signal.Signals(sig).name}; the ranks were ended", file=sys.stderr)
         return 128 + sig
     if errors:
-        print(f"bfexp-run: {launch.describe_errors(errors)}", file=sys.stderr)
+        print(f"bfexp-run: {results.describe_errors(errors)}", file=sys.stderr)
         return 1
-    if proc.returncode:
+    returncode = ranks.proc.returncode
+    if returncode:
         where = f"; the ranks' output is in {args.log_dir}" if args.log_dir else ""
-        print(f"bfexp-run: the ranks exited with code {proc.returncode}{where}", file=sys.stderr)
-        return proc.returncode if proc.returncode > 0 else 1
+        print(f"bfexp-run: the ranks exited with code {returncode}{where}", file=sys.stderr)
+        return returncode if returncode > 0 else 1
     return 0
 
 
@@ -192,7 +186,9 @@ def rank_main(argv: list[str]) -> None:
     rank = next((int(os.environ[v]) for v in RANK_VARIABLES if v in os.environ), 0)
     log_dir = os.environ.get(LOG_DIR_VARIABLE)
     if log_dir:
-        _to_file(Path(log_dir) / f"rank{rank}.log")
+        from bfexp.results import output_to
+
+        output_to(Path(log_dir) / f"rank{rank}.log")
     else:
         sys.stdout, sys.stderr = _Tagged(sys.stdout, rank), _Tagged(sys.stderr, rank)
     sys.argv = [argv[1] if argv[0] == "-m" else argv[0], *argv[(2 if argv[0] == "-m" else 1):]]
@@ -218,23 +214,12 @@ def _record(rank: int, exc: BaseException) -> None:
     run_dir = os.environ.get(RUN_DIR_VARIABLE)
     if not run_dir:
         return
-    from bfexp.worker import record_failure  # the runner's record, which bfexp.launch reads back
+    from bfexp.results import record_failure  # the runner's record, which bfexp-run reads back
 
     try:
         record_failure(Path(run_dir), rank, exc)
     except OSError:
         pass
-
-
-def _to_file(path: Path) -> None:
-    """This process's stdout and stderr (Python's and C's) into ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 class _Tagged:

@@ -94,7 +94,7 @@ def failed_return(config: DictConfig, error: str) -> JobReturn:
     run_dir = run_dir_of(config)
     summary = results.read_json(run_dir / results.SUMMARY) or {}
     if summary.get("status") not in (results.FAILED, results.DIVERGED):
-        from bfexp.worker import job_identity
+        from bfexp.summary import job_identity
 
         summary = {**job_identity(config), **summary, "status": results.FAILED, "error": error}
         run_dir.mkdir(parents=True, exist_ok=True)

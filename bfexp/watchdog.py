@@ -140,7 +140,7 @@ def _alive(pid: int) -> bool:
 
 
 def wait_at_gate(poll_s: float = 0.02) -> bool:
-    """A rank started before the driver's last checks (launch.EarlyRanks): start MPI, then wait for the
+    """A rank started before the driver's last checks (sessions.EarlyRanks): start MPI, then wait for the
     driver's word. True: go on (the job's config is written); False: the driver refused the job, or is gone
     (killed): leave, having read and written nothing. A rank started without a gate goes on at once."""
     gate = os.environ.get(GATE)

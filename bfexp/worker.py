@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -35,14 +34,15 @@ from bfexp import checkpoint, config, probes, results, scaling, watchdog
 from bfexp.config import job_kind
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.assembly import assemble, layout_ranks_per_machine
+from bfexp.summary import compute_speed, job_identity, modeled_block, reference_fields, scaling_block
 from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, RankData
 from bfexp.heterogeneity import Heterogeneity, Pace
 from bfexp.lazy_dynamo import defer_dynamo
 from bfexp.metrics import EvalSchedule, StepTimer, consensus_distance, evaluate, gather_floats, global_mean, held_out
-from bfexp.models import build_model, parameter_count, sample_shape
+from bfexp.models import build_model, sample_shape
 from bfexp.timeline import Timeline, span
-from bfexp.topology import Topology, build_topology
+from bfexp.topology import Topology
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BASELINE = "allreduce"
@@ -154,23 +154,6 @@ def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
         return int(cfg.steps)
     per_epoch = max(1, global_train_size // (size * cfg.batch_size))
     return int(cfg.epochs) * per_epoch
-
-
-def job_identity(cfg: Any, **actual: Any) -> dict:
-    """The summary's identity for this config; ``actual`` overrides what the run really used."""
-    values = {
-        "algorithm": config.label(cfg.algorithm),
-        "topology": config.label(cfg.topology),
-        "ranks": cfg.ranks,
-        "engine": cfg.engine.name,
-        "seed": cfg.seed,
-        "model": config.label(cfg.model),
-        "dataset": config.label(cfg.dataset),
-        "batch_size": cfg.batch_size,
-        "lr": cfg.lr,
-    }
-    values.update(actual)
-    return results.identity(**values)
 
 
 def is_baseline(cfg: Any) -> bool:
@@ -437,41 +420,6 @@ def reference(cfg: Any, engine: Engine, job: Built, batches: Callable[[], tuple[
     return single
 
 
-def reference_fields(single: dict) -> dict:
-    """The summary's reference: the whole record, where it came from, and the framework overhead it measured."""
-    out = {"reference": single, "reference_source": single["source"]}
-    scaling.put(out, "framework_overhead_fraction", scaling.get(single, "framework_overhead_fraction"))
-    return out
-
-
-def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, topology: Topology,
-                  speed: scaling.Spread | None, source: str, ranks_per_machine: int = 0) -> dict | None:
-    """The cost model's figures for this job on the scaling config's cluster; None without a compute speed.
-    ``ranks_per_machine``: where the ranks ran, for a scaling config of this machine (modeled=false)
-    that leaves its machines to the run."""
-    if not speed:
-        return None
-    where = cfg.scaling
-    if ranks_per_machine and not cfg.scaling.modeled and not cfg.scaling.ranks_per_machine:
-        where = {**OmegaConf.to_container(cfg.scaling, resolve=True), "ranks_per_machine": ranks_per_machine}
-    algorithm = config.target_of(cfg.algorithm, "algorithm")
-    options = config.node_options(cfg.algorithm)
-
-    return scaling.modeled_figures(
-        scaling.cluster(where), traffic=algorithm.traffic_of(**options), baseline=Allreduce.traffic,
-        overlap=bool(options.get("overlap", True)), period=int(options.get("communication_period", 1)),
-        ranks=ranks, batch=int(cfg.batch_size), param_count=param_count, element_bytes=element_bytes,
-        topology=topology, backward_fraction=float(cfg.scaling.backward_fraction),
-        single=speed, compute_source=source,
-    )
-
-
-def compute_speed(cfg: Any, measured: scaling.Spread | None) -> tuple[scaling.Spread | None, str]:
-    """One rank's samples/s for the cost model: the scaling config's declared figure, else the measured one."""
-    declared = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
-    return (scaling.Spread.exact(declared), "declared") if declared else (measured, "measured here")
-
-
 def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTimer, single: dict) -> dict:
     """Every scaling figure of a finished training job, each with its interval. Collective: every
     rank calls it; rank 0 gets the full dict (the others get the measured part)."""
@@ -502,31 +450,6 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
                                 layout_ranks_per_machine(engine))
     out = scaling_block(cfg, engine, measured, modeled, throughput_only=False)
     out.update(reference_fields(single))
-    return out
-
-
-def machine_layout(cfg: Any, engine: Engine) -> dict:
-    """Where the ranks ran: machines, ranks on each, and how that was known (detected from
-    MPI's shared-memory split, emulated with engine.ranks_per_machine, or threads of one process)."""
-    source = getattr(engine, "layout_source", "emulated" if cfg.engine.ranks_per_machine else "one process")
-    return {"run_machines": engine.machines, "run_ranks_per_machine": engine.local_size, "machine_layout": source}
-
-
-def scaling_block(cfg: Any, engine: Engine | None, measured: dict | None, modeled: dict | None, *,
-                  throughput_only: bool) -> dict:
-    """The summary's scaling part: headline figures, their source, the cluster and the contention note."""
-    virtual = bool(engine is not None and engine.virtual)
-    source = scaling.time_source(virtual=virtual, modeled_cluster=bool(cfg.scaling.modeled),
-                                 throughput_only=throughput_only)
-    out = scaling.headline(measured, modeled, source)
-    out["scaling"] = str(cfg.scaling.name)
-    if engine is not None:
-        out.update(machine_layout(cfg, engine))
-        cores = scaling.processor_count()
-        out["cores"] = cores
-        out["contention"] = scaling.contention_note(engine.size, cores, engine.device_type == "cpu")
-    else:
-        out["contention"] = None
     return out
 
 
@@ -588,43 +511,10 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
     return summary
 
 
-def modeled(cfg: Any, run_dir: Path) -> dict:
-    """Throughput-only on a modeled cluster: no ranks start. Parameter sizes come from
-    the model built on torch's meta device, compute speed from the scaling config."""
-    started = time.perf_counter()
-    ranks = int(cfg.ranks)
-    topology = build_topology(cfg.topology, ranks, topology_ranks_per_machine(cfg))
-    in_shape, classes = sample_shape(cfg.model, config.build(cfg.dataset, "dataset"))
-    speed = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
-    if not speed:
-        raise config.ConfigError(scaling.missing_speed_message(cfg.scaling, config.label(cfg.model)))
-    count = parameter_count(cfg.model, in_shape, classes)
-    summary = job_identity(cfg, topology=topology.name, engine="cost model", batch_size=int(cfg.batch_size))
-    summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
-    summary.update(scaling_block(
-        cfg, None, None,
-        modeled_block(cfg, ranks, count, DTYPES[cfg.dtype].itemsize, topology, scaling.Spread.exact(speed), "declared"),
-        throughput_only=True,
-    ))
-    summary["wall_time_s"] = time.perf_counter() - started
-    results.write_json_atomic(run_dir / results.SUMMARY, summary)
-    return summary
-
-
 # ---------------------------------------------------------------- the kinds of job, in one place
 
-# kind -> what a rank runs for it (None: no rank starts; the driver calls `modeled`).
+# kind -> what a rank runs for it (None: no rank starts; the driver calls `summary.modeled`).
 JOBS: dict[str, Callable[[Any, Engine, Path], Any] | None] = {"train": train, "throughput": throughput_only, "modeled": None}
-
-
-def topology_ranks_per_machine(cfg: Any) -> int:
-    """How ranks sit on machines for the topology: the engine's layout, and for a modeled
-    cluster the scaling config's machines (0 = one machine)."""
-    rpm = int(cfg.engine.ranks_per_machine)
-    if job_kind(cfg) == "modeled":
-        rpm = rpm or int(cfg.scaling.ranks_per_machine)
-        return 0 if rpm >= int(cfg.ranks) else rpm
-    return rpm
 
 
 def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
@@ -644,32 +534,6 @@ def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
 
 
 # ---------------------------------------------------------------- an MPI rank's process
-
-
-def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
-    """Leave the reason for the driver before MPI tears the job down."""
-    results.write_json_atomic(
-        run_dir / results.ERRORS_DIR / f"rank{rank}.json",
-        {
-            "rank": rank,
-            "type": type(exc).__name__,
-            "message": str(exc).splitlines()[0] if str(exc) else "",
-            "traceback": traceback.format_exc(),
-            "time": time.time(),
-        },
-    )
-
-
-def _redirect_output(run_dir: Path, rank: int) -> None:
-    """Each rank's stdout/stderr into logs/rank<N>.log (the driver owns the terminal)."""
-    log_dir = run_dir / results.LOGS_DIR
-    log_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def engine_options(cfg: Any, engine_cls: type[Engine]) -> dict:
@@ -692,14 +556,14 @@ def main(argv: list[str] | None = None) -> None:
     engine_cls = engine_class(cfg.engine.name)  # mpi, or nccl: one rank per GPU, its unique id over MPI
     engine = engine_cls(**engine_options(cfg, engine_cls))
     PHASES.mark("engine: communicators")
-    _redirect_output(run_dir, engine.rank)
+    results.output_to(run_dir / results.LOGS_DIR / f"rank{engine.rank}.log")  # the driver owns the terminal
     watchdog.enable_stack_dumps()  # the hang watchdog's SIGUSR2, and crashes: every thread's stack into the log
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         run(cfg, engine, run_dir)
     except BaseException as exc:
         try:
-            record_failure(run_dir, engine.rank, exc)
+            results.record_failure(run_dir, engine.rank, exc)
         except OSError:  # e.g. the run folder's disk is full: the driver finds out from the exit
             pass
         raise  # mpi4py's runner turns this into MPI_Abort: every rank ends

@@ -334,7 +334,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def environment(ranks: int) -> dict[str, str]:
-    from bfexp.launch import rank_environment
+    from bfexp.sessions import rank_environment
 
     return rank_environment(ranks)
 

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.dirname(here))
-    from bfexp.launch import rank_environment
+    from bfexp.sessions import rank_environment
     from bfexp.launchers import find_mpiexec
 
     env = rank_environment(args.ranks)

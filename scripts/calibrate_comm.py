@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    from bfexp.launch import rank_environment
+    from bfexp.sessions import rank_environment
     from bfexp.launchers import find_mpiexec
 
     n = max(args.rank_counts)

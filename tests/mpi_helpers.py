@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from bfexp.launch import rank_environment
+from bfexp.sessions import rank_environment
 from bfexp.launchers import find_mpiexec
 
 PRELUDE = """

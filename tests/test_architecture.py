@@ -80,7 +80,8 @@ def test_scaling_is_arithmetic_on_numbers():
 
 
 DRIVER_MODULES = ("bfexp.cli", "bfexp.launch", "bfexp.launchers", "bfexp.launchers.local", "bfexp.launchers.mpirun",
-                  "bfexp.launchers.srun")
+                  "bfexp.launchers.srun", "bfexp.signals", "bfexp.sessions", "bfexp.preflight", "bfexp.summary",
+                  "bfexp.run")
 
 
 def test_the_driver_imports_neither_torch_nor_the_worker():
@@ -158,3 +159,11 @@ def test_statuses_are_said_in_one_place():
             if isinstance(node, ast.Constant) and node.value in words and id(node) not in docstrings:
                 found.append(f"{module}:{node.lineno} {node.value!r}")
     assert found == [], f"status words spelt outside bfexp.results: {found}"
+
+
+def test_one_watch_loop_serves_the_runner_and_bfexp_run():
+    """MPI ranks, virtual ranks and `bfexp-run` are watched by launch.watch; nothing else polls ranks in a loop."""
+    sources = _sources()
+    callers = sorted(module for module, tree in sources.items() for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "watch")
+    assert callers == ["bfexp.launch", "bfexp.launch", "bfexp.run"], callers

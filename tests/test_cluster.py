@@ -133,7 +133,7 @@ def rank_command(launcher_node: dict, ranks: int = 16) -> list[str]:
     from omegaconf import OmegaConf
 
     from bfexp.config import launcher_of
-    from bfexp.launch import launcher_command, worker_command
+    from bfexp.sessions import launcher_command, worker_command
 
     cfg = OmegaConf.create({"ranks": ranks, "engine": {"name": "mpi", "mpiexec_args": []}, "launcher": launcher_node})
     return launcher_command(launcher_of(cfg), cfg, worker_command("RUN"))

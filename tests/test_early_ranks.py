@@ -1,4 +1,4 @@
-"""Ranks started while the driver finishes its checks (launch.EarlyRanks, watchdog.wait_at_gate).
+"""Ranks started while the driver finishes its checks (sessions.EarlyRanks, watchdog.wait_at_gate).
 
 The driver starts a job's process ranks right after composing and validating its config, so their
 start-up (Python, torch, MPI) overlaps the driver's import of torch and its dry build. They wait at a
@@ -81,7 +81,7 @@ def test_a_job_refused_after_its_ranks_started_leaves_nothing(bfexp, monkeypatch
 
 
 def test_a_job_started_early_runs_and_says_so(bfexp):
-    from bfexp.launch import processor_slots
+    from bfexp.launchers import processor_slots
 
     if processor_slots() < 2:
         pytest.skip("ranks start early only beside a processor slot left for the driver")
@@ -97,11 +97,12 @@ DRIVER = """
 import sys, time
 from hydra import compose, initialize_config_module
 from bfexp.config import register_configs
-from bfexp.launch import EarlyRanks
+from bfexp.config import launcher_of
+from bfexp.sessions import EarlyRanks
 register_configs()
 with initialize_config_module(config_module="bfexp.conf", version_base=None):
     cfg = compose(config_name="config", overrides=["engine=mpi", "ranks=3"])
-early = EarlyRanks(cfg, sys.argv[1])
+early = EarlyRanks(cfg, sys.argv[1], launcher_of(cfg))
 print(early.proc.pid, early.gate, flush=True)
 time.sleep(120)
 """
@@ -115,13 +116,13 @@ def test_waiting_ranks_end_when_cancelled_or_when_the_driver_dies(tmp_path, how)
     if how == "cancel":
         from hydra import compose, initialize_config_module
 
-        from bfexp.config import register_configs
-        from bfexp.launch import EarlyRanks
+        from bfexp.config import launcher_of, register_configs
+        from bfexp.sessions import EarlyRanks
 
         register_configs()
         with initialize_config_module(config_module="bfexp.conf", version_base=None):
             cfg = compose(config_name="config", overrides=["engine=mpi", "ranks=3"])
-        early = EarlyRanks(cfg, run_dir)
+        early = EarlyRanks(cfg, run_dir, launcher_of(cfg))
         marker = str(early.gate)
         deadline = time.monotonic() + 60
         while len(gate_processes(marker)) < 4 and time.monotonic() < deadline:  # mpiexec + 3 ranks
@@ -164,8 +165,9 @@ def test_ranks_start_early_only_beside_a_free_slot_for_the_driver(monkeypatch):
     driver still has torch's import ahead: ranks=1000 engine=mpi must meet the memory check, not be started."""
     from hydra import compose, initialize_config_module
 
-    from bfexp.config import register_configs
-    from bfexp.launch import EarlyRanks, processor_slots
+    from bfexp.config import launcher_of, register_configs
+    from bfexp.launchers import processor_slots
+    from bfexp.sessions import EarlyRanks
 
     register_configs()
 
@@ -173,11 +175,14 @@ def test_ranks_start_early_only_beside_a_free_slot_for_the_driver(monkeypatch):
         with initialize_config_module(config_module="bfexp.conf", version_base=None):
             return compose(config_name="config", overrides=list(overrides))
 
+    def wanted(job) -> bool:
+        return EarlyRanks.wanted(job, launcher_of(job))
+
     slots = processor_slots()
-    assert not EarlyRanks.wanted(cfg("engine=mpi", "ranks=1"))  # torch is loaded in this process
+    assert not wanted(cfg("engine=mpi", "ranks=1"))  # torch is loaded in this process
     monkeypatch.delitem(sys.modules, "torch")  # as in a fresh driver (restored after the test)
-    assert EarlyRanks.wanted(cfg("engine=mpi", f"ranks={slots - 1}")) == (slots > 1)
-    assert not EarlyRanks.wanted(cfg("engine=mpi", f"ranks={slots}"))
-    assert not EarlyRanks.wanted(cfg("engine=mpi", "ranks=1000"))
-    assert not EarlyRanks.wanted(cfg("engine=threads", "ranks=1"))
-    assert not EarlyRanks.wanted(cfg("engine=mpi", "ranks=1", "launcher=mpirun", "launcher.hosts=localhost:2"))
+    assert wanted(cfg("engine=mpi", f"ranks={slots - 1}")) == (slots > 1)
+    assert not wanted(cfg("engine=mpi", f"ranks={slots}"))
+    assert not wanted(cfg("engine=mpi", "ranks=1000"))
+    assert not wanted(cfg("engine=threads", "ranks=1"))
+    assert not wanted(cfg("engine=mpi", "ranks=1", "launcher=mpirun", "launcher.hosts=localhost:2"))

@@ -8,7 +8,8 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from bfexp.launch import choose_engine, processor_slots
+from bfexp.launchers import processor_slots
+from bfexp.preflight import choose_engine
 from tests.comm.engines import REPO
 from tests.conftest import BFEXP
 

@@ -1,0 +1,151 @@
+"""Before any rank starts: the engine a job runs on (engine=auto's choice), whether this machine can run it,
+and whether its ranks fit this machine's memory.
+
+A job this machine cannot hold is refused here, in one line, instead of
+failing minutes later: more ranks than the memory holds is the user's input
+(ConfigError, exit 2); no mpiexec, no GPU, an unreachable host is the
+environment's (LaunchError, exit 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import open_dict
+
+from bfexp.errors import ConfigError, LaunchError
+from bfexp.launchers import Launcher, processor_slots
+
+__all__ = ["available_memory", "check_engine", "check_memory", "choose_engine", "memory_fits", "preflight",
+           "resolve_engine", "runs_on"]
+
+# Memory one rank needs besides its model: a process with torch and mpi4py imported (about 230 MB
+# resident here), or a virtual rank's thread, engine and data shard (the default experiment's 128
+# virtual ranks take about 0.4 GB in all, the process alone 0.25); each rounded up. A rank holds
+# its model about MODEL_COPIES times: parameters, gradients, the local optimizer's and the
+# algorithm's buffers.
+PROCESS_RANK_BYTES = 250 * 2**20
+THREAD_RANK_BYTES = 2 * 2**20
+MODEL_COPIES = 4
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new processes here (Linux's MemAvailable), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
+def check_memory(cfg: Any, launcher: Launcher, parameters: int, element_bytes: int) -> None:
+    """The job's memory check (``memory_fits``) from its config."""
+    from bfexp.comm import engine_class
+
+    engine = engine_class(cfg.engine.name)
+    ranks = int(cfg.ranks)
+    here = ranks if not engine.processes else launcher.ranks_per_host(ranks)
+    memory_fits(engine, ranks, here, parameters * element_bytes)
+
+
+def memory_fits(engine: Any, ranks: int, here: int, model_bytes: int) -> None:
+    """Refuse (ConfigError: one line, exit 2) more ranks on this machine than its memory holds.
+
+    ``here`` of the ``ranks`` ranks of ``engine`` (its class) run on this machine. One rank's footprint:
+    PROCESS_RANK_BYTES for a process rank (THREAD_RANK_BYTES for a virtual one) plus MODEL_COPIES copies
+    of the model in host memory (a GPU rank keeps its model on the GPU). Compared with MemAvailable.
+    """
+    model = 0 if engine.device_type == "cuda" else MODEL_COPIES * model_bytes
+    per_rank = (PROCESS_RANK_BYTES if engine.processes else THREAD_RANK_BYTES) + model
+    available = available_memory()
+    if available is None or here * per_rank <= available:
+        return
+    kind = "processes" if engine.processes else "virtual ranks"
+    fit = available // per_rank
+    allowed = f"ranks <= {fit}" if fit else "a smaller model"
+    if engine.processes:
+        allowed += ", or engine=threads (virtual ranks share one process)"
+    raise ConfigError(f"ranks={ranks} with engine={engine.name} needs about {_size(here * per_rank)} of memory "
+                      f"({here} {kind} of about {_size(per_rank)} here) but {_size(available)} is available; "
+                      f"allowed: {allowed}")
+
+
+def check_engine(cfg: Any, launcher: Launcher) -> None:
+    """The job's preflight (``preflight``) from its config."""
+    preflight(cfg.engine.name, int(cfg.ranks), launcher, int(cfg.engine.ranks_per_machine or 0))
+
+
+def preflight(engine_name: str, ranks: int, launcher: Launcher, ranks_per_machine: int = 0) -> None:
+    """Before any rank starts: the launcher's preflight (process ranks), and an engine this machine can run
+    (LaunchError naming what is missing; a GPU engine needs a GPU per rank of a machine)."""
+    from bfexp.comm import engine_class
+
+    engine = engine_class(engine_name)
+    per_machine: int | None = ranks_per_machine or None
+    if engine.processes:
+        launcher.check(ranks)
+        if not launcher.on_this_machine:
+            per_machine = launcher.ranks_per_host(ranks)
+    ok, reason = engine.available(ranks, per_machine)
+    if not ok:
+        raise LaunchError(f"engine={engine_name} cannot run here: {reason}")
+
+
+def choose_engine(cfg: Any) -> tuple[str, str]:
+    """engine=auto: (engine, why). nccl when every rank has its own GPU; else mpi
+    while ranks <= processor slots x slots_factor; else threads."""
+    import importlib.util
+
+    from bfexp.comm import engine_class
+
+    ranks, engine = cfg.ranks, cfg.engine
+    gpu_note = ""
+    if importlib.util.find_spec("cupy") is not None:  # no CuPy: no GPU probe, no torch import here
+        ok, why = engine_class("nccl").available(ranks, engine.ranks_per_machine or None)
+        if ok:
+            return "nccl", f"each of the {ranks} ranks has its own GPU"
+        gpu_note = f"; not nccl: {why}"
+    slots, factor = processor_slots(), float(engine.slots_factor)
+    limit = f"{slots} processor slots x engine.slots_factor={factor:g} = {slots * factor:g}"
+    if ranks <= slots * factor:
+        return "mpi", f"ranks={ranks} fit {limit}{gpu_note}"
+    if not runs_on(cfg, "threads"):
+        return "mpi", f"ranks={ranks} exceed {limit}, but this algorithm needs a process per rank{gpu_note}"
+    return "threads", f"ranks={ranks} exceed {limit}{gpu_note}"
+
+
+def runs_on(cfg: Any, engine: str) -> bool:
+    """Whether the job's algorithm can run on an engine (ddp needs one process per rank)."""
+    from bfexp.comm import engine_class
+    from bfexp.config import target_of
+
+    try:
+        target_of(cfg.algorithm, "algorithm").check_run(
+            engine_class(engine), throughput_only=bool(cfg.throughput_only), modeled=bool(cfg.scaling.modeled))
+    except ConfigError:
+        return False
+    return True
+
+
+def resolve_engine(cfg: Any) -> tuple[Any, str | None]:
+    """engine=auto: a copy of cfg running the engine it chooses, and the sentence saying why."""
+    if cfg.engine.name != "auto":
+        return cfg, None
+    from bfexp.config import engine_config
+
+    name, why = choose_engine(cfg)
+    out = cfg.copy()
+    with open_dict(out):
+        out.engine = engine_config(cfg, name)
+    return out, f"engine=auto chose {name}: {why}"

@@ -1,0 +1,156 @@
+"""What summary.json says, assembled where the driver and the ranks both reach it: the job's identity, the
+scaling part (measured and modeled figures, the machine layout), a modeled job's whole summary, and the
+summary of a job that did not finish.
+
+No torch at import: the driver calls this before (modeled jobs: instead
+of) starting ranks; the few figures that need a model or an algorithm class
+import them when asked.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from bfexp import config, results, scaling
+from bfexp.config import job_kind
+
+__all__ = ["compute_speed", "failed_summary", "job_identity", "machine_layout", "modeled", "modeled_block",
+           "reference_fields", "scaling_block", "topology_ranks_per_machine"]
+
+
+def job_identity(cfg: Any, **actual: Any) -> dict:
+    """The summary's identity for this config; ``actual`` overrides what the run really used."""
+    values = {
+        "algorithm": config.label(cfg.algorithm),
+        "topology": config.label(cfg.topology),
+        "ranks": cfg.ranks,
+        "engine": cfg.engine.name,
+        "seed": cfg.seed,
+        "model": config.label(cfg.model),
+        "dataset": config.label(cfg.dataset),
+        "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
+    }
+    values.update(actual)
+    return results.identity(**values)
+
+
+def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = None, status: str = results.FAILED) -> dict:
+    """A summary for a job that did not finish (failed or interrupted), keeping what rank 0 had logged."""
+    summary = results.read_json(run_dir / results.SUMMARY) or job_identity(cfg)
+    records = results.read_jsonl(run_dir / results.METRICS)
+    if records:
+        last = records[-1]
+        summary.setdefault("final_loss", last.get("loss"))
+        summary.setdefault("final_accuracy", last.get("accuracy"))
+        summary.setdefault("consensus_distance", last.get("consensus_distance"))
+        summary["steps"] = last.get("step")
+    summary.update(extra or {})
+    summary["status"] = status
+    summary["error"] = error
+    results.write_json_atomic(run_dir / results.SUMMARY, summary)
+    return summary
+
+
+def reference_fields(single: dict) -> dict:
+    """The summary's reference: the whole record, where it came from, and the framework overhead it measured."""
+    out = {"reference": single, "reference_source": single["source"]}
+    scaling.put(out, "framework_overhead_fraction", scaling.get(single, "framework_overhead_fraction"))
+    return out
+
+
+def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, topology: Any,
+                  speed: scaling.Spread | None, source: str, ranks_per_machine: int = 0) -> dict | None:
+    """The cost model's figures for this job on the scaling config's cluster; None without a compute speed.
+    ``ranks_per_machine``: where the ranks ran, for a scaling config of this machine (modeled=false)
+    that leaves its machines to the run."""
+    from bfexp.algorithms import Allreduce
+
+    if not speed:
+        return None
+    where = cfg.scaling
+    if ranks_per_machine and not cfg.scaling.modeled and not cfg.scaling.ranks_per_machine:
+        where = {**OmegaConf.to_container(cfg.scaling, resolve=True), "ranks_per_machine": ranks_per_machine}
+    algorithm = config.target_of(cfg.algorithm, "algorithm")
+    options = config.node_options(cfg.algorithm)
+    return scaling.modeled_figures(
+        scaling.cluster(where), traffic=algorithm.traffic_of(**options), baseline=Allreduce.traffic,
+        overlap=bool(options.get("overlap", True)), period=int(options.get("communication_period", 1)),
+        ranks=ranks, batch=int(cfg.batch_size), param_count=param_count, element_bytes=element_bytes,
+        topology=topology, backward_fraction=float(cfg.scaling.backward_fraction),
+        single=speed, compute_source=source,
+    )
+
+
+def compute_speed(cfg: Any, measured: scaling.Spread | None) -> tuple[scaling.Spread | None, str]:
+    """One rank's samples/s for the cost model: the scaling config's declared figure, else the measured one."""
+    declared = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+    return (scaling.Spread.exact(declared), "declared") if declared else (measured, "measured here")
+
+
+def machine_layout(cfg: Any, engine: Any) -> dict:
+    """Where the ranks ran: machines, ranks on each, and how that was known (detected from
+    MPI's shared-memory split, emulated with engine.ranks_per_machine, or threads of one process)."""
+    source = getattr(engine, "layout_source", "emulated" if cfg.engine.ranks_per_machine else "one process")
+    return {"run_machines": engine.machines, "run_ranks_per_machine": engine.local_size, "machine_layout": source}
+
+
+def scaling_block(cfg: Any, engine: Any | None, measured: dict | None, modeled: dict | None, *,
+                  throughput_only: bool) -> dict:
+    """The summary's scaling part: headline figures, their source, the cluster and the contention note."""
+    virtual = bool(engine is not None and engine.virtual)
+    source = scaling.time_source(virtual=virtual, modeled_cluster=bool(cfg.scaling.modeled),
+                                 throughput_only=throughput_only)
+    out = scaling.headline(measured, modeled, source)
+    out["scaling"] = str(cfg.scaling.name)
+    if engine is not None:
+        out.update(machine_layout(cfg, engine))
+        cores = scaling.processor_count()
+        out["cores"] = cores
+        out["contention"] = scaling.contention_note(engine.size, cores, engine.device_type == "cpu")
+    else:
+        out["contention"] = None
+    return out
+
+
+def topology_ranks_per_machine(cfg: Any) -> int:
+    """How ranks sit on machines for the topology: the engine's layout, and for a modeled
+    cluster the scaling config's machines (0 = one machine)."""
+    rpm = int(cfg.engine.ranks_per_machine)
+    if job_kind(cfg) == "modeled":
+        rpm = rpm or int(cfg.scaling.ranks_per_machine)
+        return 0 if rpm >= int(cfg.ranks) else rpm
+    return rpm
+
+
+def modeled(cfg: Any, run_dir: Path) -> dict:
+    """Throughput-only on a modeled cluster: no ranks start. Parameter sizes come from
+    the model built on torch's meta device, compute speed from the scaling config."""
+    import torch
+
+    from bfexp.models import parameter_count, sample_shape
+    from bfexp.topology import build_topology
+
+    started = time.perf_counter()
+    ranks = int(cfg.ranks)
+    topology = build_topology(cfg.topology, ranks, topology_ranks_per_machine(cfg))
+    in_shape, classes = sample_shape(cfg.model, config.build(cfg.dataset, "dataset"))
+    speed = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+    if not speed:
+        raise config.ConfigError(scaling.missing_speed_message(cfg.scaling, config.label(cfg.model)))
+    count = parameter_count(cfg.model, in_shape, classes)
+    summary = job_identity(cfg, topology=topology.name, engine="cost model", batch_size=int(cfg.batch_size))
+    summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
+    element_bytes = getattr(torch, str(cfg.dtype)).itemsize
+    summary.update(scaling_block(
+        cfg, None, None,
+        modeled_block(cfg, ranks, count, element_bytes, topology, scaling.Spread.exact(speed), "declared"),
+        throughput_only=True,
+    ))
+    summary["wall_time_s"] = time.perf_counter() - started
+    results.write_json_atomic(run_dir / results.SUMMARY, summary)
+    return summary
