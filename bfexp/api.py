@@ -526,9 +526,6 @@ def DistributedOptimizer(  # noqa: N802 - it stands where a torch optimizer clas
     return made.optimizer
 
 
-_compose_lock = threading.Lock()
-
-
 def named_nodes(algorithm: Any, topology: Any) -> tuple[Any, Any]:
     """(algorithm, topology) with a name (a conf/algorithm or conf/topology option) replaced by the
     runner's node for it, a plain dict the caller may lay options over (objects included); other
@@ -546,10 +543,9 @@ def named_nodes(algorithm: Any, topology: Any) -> tuple[Any, Any]:
 @functools.lru_cache(maxsize=None)
 def _compose_cached(algorithm: str | None, topology: str | None) -> dict[str, dict]:
     """Composed once per process (virtual ranks share it) with Hydra, as the runner composes them."""
-    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from bfexp.config import register_configs
+    from bfexp.config import compose_shipped, group_options
 
     overrides = []
     for group, name in (("algorithm", algorithm), ("topology", topology)):
@@ -558,15 +554,5 @@ def _compose_cached(algorithm: str | None, topology: str | None) -> dict[str, di
             if name not in allowed:
                 raise ConfigError(f"{group}={name}; allowed: {', '.join(allowed)}")
             overrides.append(f"{group}={name}")
-    with _compose_lock:
-        register_configs()
-        with initialize_config_module(config_module="bfexp.conf", version_base=None):
-            cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_shipped("config", overrides)
     return {group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("algorithm", "topology")}
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group: the YAML names in conf/<group>/."""
-    from importlib.resources import files
-
-    return sorted(p.name[:-5] for p in files("bfexp.conf").joinpath(group).iterdir() if p.name.endswith(".yaml"))

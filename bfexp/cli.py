@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,9 +33,10 @@ PHASES = results.Phases("driver", results.process_started_at())
 
 
 def group_options(group: str) -> list[str]:
-    """Options of a config group: the YAML files shipped in bfexp.conf/<group>/."""
-    folder = resources.files("bfexp.conf").joinpath(group)
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    """Options of a config group (bfexp.config.group_options), imported when asked: the CLI starts light."""
+    from bfexp.config import group_options as shipped
+
+    return shipped(group)
 
 
 HELP = """\

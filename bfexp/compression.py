@@ -29,14 +29,16 @@ E||Q(v) - v||^2 <= (1 - delta) ||v||^2: every option above is one except
 unbiased QSGD, whose ``scaled=true`` form divides by
 tau = 1 + min(d / s^2, sqrt(d) / s) as in that paper. Each class is a
 ``conf/algorithm/compressor/<name>.yaml`` option (its constructor is the
-schema) and states its wire format for the cost model (``wire``).
+schema, checking its options: ConfigError, one line) and states its wire format
+for the cost model (``wire``). A user's own compressor subclasses ``Compressor``
+and plugs in the same way (``+algorithm/compressor=NAME`` with its YAML in the
+user's config dir, or a node with its ``_target_``).
 """
 
 from __future__ import annotations
 
 import abc
 import math
-from importlib import resources
 from typing import Any, ClassVar, Literal, Mapping
 
 import torch
@@ -52,12 +54,12 @@ __all__ = [
     "Sign",
     "TopK",
     "as_compressor",
-    "compressor_options",
     "pack_bits",
     "unpack_bits",
 ]
 
 KEY = "algorithm.compressor"  # where a compressor's options live in the config
+GROUP = "algorithm/compressor"  # its config group (conf/algorithm/compressor/)
 
 
 # ---------------------------------------------------------------- bytes and bits
@@ -322,30 +324,20 @@ class Cast(Compressor):
 # ---------------------------------------------------------------- from config
 
 
-def compressor_options() -> list[str]:
-    """The packaged conf/algorithm/compressor options, sorted."""
-    folder = resources.files("bfexp.conf").joinpath("algorithm", "compressor")
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
 def as_compressor(value: Compressor | str | Mapping[str, Any]) -> Compressor:
-    """A Compressor from what an algorithm was given: one, an option's name (its packaged YAML with
-    its defaults), or a config node (``_target_`` and options). Bad input: ConfigError, one line."""
+    """A Compressor from what an algorithm was given: one, a shipped option's name (its YAML, as Hydra
+    composes it, with its defaults), or a config node (``_target_`` and options), built as every component
+    is (bfexp.config.build: keys and types against the constructor, which checks the values). Bad input:
+    ConfigError, one line."""
     if isinstance(value, Compressor):
         return value
-    from bfexp.config import build, target_of
+    from bfexp.config import build, group_options, option_node, target_of
 
     if isinstance(value, str):
-        options = compressor_options()
-        if value not in options:
-            raise ConfigError(f"{KEY}={value}; allowed: {', '.join(options)} "
-                              "(pick one with algorithm/compressor=NAME, set its keys with algorithm.compressor.KEY=VALUE)")
-        from omegaconf import OmegaConf
-
-        text = resources.files("bfexp.conf").joinpath("algorithm", "compressor", f"{value}.yaml").read_text()
-        value = OmegaConf.to_container(OmegaConf.create(text), resolve=True)  # type: ignore[assignment]
+        value = option_node(GROUP, value, hint="(pick one with algorithm/compressor=NAME, set its keys with "
+                                               "algorithm.compressor.KEY=VALUE)")
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{KEY}={value!r}; allowed: a compressor option ({', '.join(compressor_options())})")
+        raise ConfigError(f"{KEY}={value!r}; allowed: a compressor option ({', '.join(group_options(GROUP))})")
     target = target_of(value, KEY)
     if not (isinstance(target, type) and issubclass(target, Compressor)):
         raise ConfigError(f"{KEY}._target_={value.get('_target_')}; allowed: a bfexp.compression.Compressor class")

@@ -21,8 +21,11 @@ the CLI needs it for ``--help`` and completion, which must stay instant.
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib
 import inspect
+import threading
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,7 +38,8 @@ from bfexp.checkpoint import job_folder
 from bfexp.errors import ConfigError, number_in
 from bfexp.launchers.srun import nodes_for, tasks_per_node
 
-__all__ = ["Config", "ConfigError", "check_node", "label", "node_options", "register_configs", "target_of", "validate"]
+__all__ = ["Config", "ConfigError", "build", "check_node", "compose_shipped", "group_options", "label", "node_options",
+           "option_node", "register_configs", "target_of", "validate"]
 
 # What bfexp itself passes when it builds each component (a YAML may not set these).
 RUNTIME: dict[str, tuple[str, ...]] = {
@@ -58,6 +62,51 @@ def node_options(node: Any) -> dict[str, Any]:
     """A component node's options: its keys minus Hydra's ``_target_``/``_partial_``/... ."""
     data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     return {k: v for k, v in data.items() if not (k.startswith("_") and k.endswith("_"))}
+
+
+def group_options(group: str) -> list[str]:
+    """The options shipped in a config group (``engine``, ``algorithm/compressor``, ...): its YAML names, sorted."""
+    from importlib import resources
+
+    folder = resources.files("bfexp.conf").joinpath(*group.split("/"))
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+_compose_lock = threading.Lock()
+
+
+def compose_shipped(config_name: str, overrides: Iterable[str] = ()) -> DictConfig:
+    """Compose a config of the shipped config module (``config``, ``algorithm/compressor/top_k``) with Hydra,
+    one caller at a time (virtual ranks compose from their threads): in bfexp's own Hydra run (the driver and
+    its virtual ranks) by that run's Hydra, elsewhere (an MPI rank, a script) by one set up for it."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    with _compose_lock:
+        register_configs()
+        if GlobalHydra.instance().is_initialized():
+            return compose(config_name=config_name, overrides=list(overrides))
+        with initialize_config_module(config_module="bfexp.conf", version_base=None):
+            return compose(config_name=config_name, overrides=list(overrides))
+
+
+def option_node(group: str, option: str, hint: str = "") -> dict[str, Any]:
+    """A shipped option of a config group as Hydra composes it (``+group=option``): its node as a new plain
+    dict, for an option named where a node is expected (``algorithm.compressor=qsgd``). A name that is
+    none: ConfigError naming the options (and ``hint``, how else to give one)."""
+    allowed = group_options(group)
+    if option not in allowed:
+        raise ConfigError(f"{group.replace('/', '.')}={option}; allowed: {', '.join(allowed)}{' ' + hint if hint else ''}")
+    return copy.deepcopy(_composed_option(group, option))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed_option(group: str, option: str) -> dict[str, Any]:
+    """Composed once per process (virtual ranks share it)."""
+    node = OmegaConf.to_container(OmegaConf.select(compose_shipped(f"{group}/{option}"), group.replace("/", ".")),
+                                  resolve=True)
+    assert isinstance(node, dict)
+    return node
 
 
 def target_of(node: Any, key: str) -> Callable[..., Any]:

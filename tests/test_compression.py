@@ -22,10 +22,10 @@ from bfexp.compression import (
     Sign,
     TopK,
     as_compressor,
-    compressor_options,
     pack_bits,
     unpack_bits,
 )
+from bfexp.config import group_options
 from bfexp.errors import ConfigError
 
 D = 4810  # the MLP on digits: 64 x 64 + 64 + 64 x 10 + 10 parameters
@@ -145,7 +145,7 @@ def test_unaligned_payload_slices_decode():
 
 # ------------------------------------------------------------------ from config
 def test_every_packaged_option_builds_its_class():
-    built = {name: as_compressor(name) for name in compressor_options()}
+    built = {name: as_compressor(name) for name in group_options("algorithm/compressor")}
     assert {name: type(c).__name__ for name, c in built.items()} == {
         "cast": "Cast", "identity": "Identity", "qsgd": "QSGD", "random_k": "RandomK", "sign": "Sign", "top_k": "TopK",
     }
@@ -175,7 +175,7 @@ def test_wire_formats_for_the_cost_model():
     param_bytes = D * 4.0
     sizes = {
         name: Traffic("neighbor", **as_compressor(name).wire()).message_bytes(param_bytes, 4)
-        for name in compressor_options()
+        for name in group_options("algorithm/compressor")
     }
     assert sizes["identity"] == param_bytes
     assert sizes["top_k"] == pytest.approx(0.01 * D * 8)  # values and int32 indices
