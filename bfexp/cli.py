@@ -344,7 +344,7 @@ def run_job(cfg: Any) -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from bfexp.config import job_kind, label, validate
+    from bfexp.config import build, job_kind, label, validate
     from bfexp.errors import ConfigError, LaunchError
 
     PHASES.mark("start: python, Hydra, compose")
@@ -404,11 +404,11 @@ def run_job(cfg: Any) -> str:
         title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
         from bfexp.errors import Interrupted
         from bfexp.signals import SIGNALS
-        from bfexp.loggers import open_tracker
         from bfexp.progress import ConsoleProgress, print_summary
 
-        progress = ConsoleProgress(cfg.steps, title, enabled=cfg.logger.progress, epochs=cfg.epochs)
-        with progress, open_tracker(cfg, run_dir) as tracker:
+        logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
+        progress = ConsoleProgress(cfg.steps, title, enabled=logger.progress, epochs=cfg.epochs)
+        with progress, logger.tracker(cfg, run_dir) as tracker:
             try:
                 PHASES.mark("progress display, tracker")
                 result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),

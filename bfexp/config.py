@@ -1,22 +1,26 @@
-"""The top-level schema, the data-only groups, and how a config node becomes an object.
+"""The top-level schema, the cross-group checks, and how a config node becomes an object.
 
 Two kinds of config group:
 
-* Components (algorithm, topology, model, dataset, optimizer): each option is a
-  YAML with ``_target_`` (algorithms and optimizers ``_partial_``), and the
-  target's constructor signature is its schema. ``check_node`` checks a node's
-  keys and value types against that signature before any rank starts (Hydra's
-  struct mode already refuses unknown keys at compose time; ``+key=...`` gets
-  here), and the constructor checks ranges. A user's own class plugs in with
-  ``model._target_=mypkg.Net`` or a YAML in their own config dir.
-* Data-only groups (engine, scaling, logger): dataclasses below, stored in
-  Hydra's ConfigStore under ``schema/<group>``; each conf/<group>/<option>.yaml
-  pulls its own in, so a misspelt key or a wrong type fails at compose time.
+* Components (algorithm, topology, model, dataset, optimizer, engine, logger,
+  launcher, heterogeneity, and algorithm/compressor): each option is a YAML with
+  ``_target_`` (algorithms and optimizers ``_partial_``), and the target's
+  constructor signature is its schema. ``check_node`` checks a node's keys and
+  value types against that signature before the object is built (Hydra's struct
+  mode already refuses unknown keys at compose time; ``+key=...`` gets here), and
+  the constructor checks ranges. A user's own class plugs in with
+  ``model._target_=mypkg.Net`` or a YAML in their own config dir. A node may also
+  state its class's ``name`` (engine and logger nodes do: summaries and the driver
+  read ``cfg.engine.name``); it must then be that name.
+* Data-only groups (scaling): dataclasses below, stored in Hydra's ConfigStore
+  under ``schema/<group>``; each conf/<group>/<option>.yaml pulls its own in, so a
+  misspelt key or a wrong type fails at compose time.
 
-``validate`` checks the top level and the data-only groups (ranges, fits
-between groups); ConfigError (bfexp.errors) is the user's fault: one line,
-exit 2. This module imports only the standard library, Hydra and OmegaConf:
-the CLI needs it for ``--help`` and completion, which must stay instant.
+``validate`` checks the top level, the data-only groups and what ties groups
+together (ranks per machine against the ranks, the scaling config's machines);
+ConfigError (bfexp.errors) is the user's fault: one line, exit 2. This module
+imports only the standard library, Hydra and OmegaConf: the CLI needs it for
+``--help`` and completion, which must stay instant.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import threading
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Literal, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -41,7 +45,7 @@ from bfexp.launchers.srun import nodes_for, tasks_per_node
 __all__ = ["Config", "ConfigError", "build", "check_node", "compose_shipped", "group_options", "label", "node_options",
            "option_node", "register_configs", "target_of", "validate"]
 
-# What bfexp itself passes when it builds each component (a YAML may not set these).
+# What bfexp (or a script) passes when it builds each component: a YAML may not set these.
 RUNTIME: dict[str, tuple[str, ...]] = {
     "algorithm": ("optimizer", "engine", "topology", "model"),
     "optimizer": ("params",),
@@ -50,6 +54,9 @@ RUNTIME: dict[str, tuple[str, ...]] = {
     "dataset": (),
     "heterogeneity": (),
     "launcher": (),
+    # a virtual rank's world and number; an MPI engine's communicator and whether $BFEXP_TIMELINE traces it
+    "engine": ("world", "rank", "comm", "timeline_from_env"),
+    "logger": (),
 }
 Dtype = Literal["float32", "float64", "float16", "bfloat16"]
 FailMode = Literal["raise", "kill", "freeze", "hang"]
@@ -224,6 +231,10 @@ def check_node(node: Any, key: str, runtime: Iterable[str] = ()) -> tuple[Callab
     target = target_of(node, key)
     options = node_options(node)
     params, hints, open_ended = signature_schema(target)
+    own = getattr(target, "name", None)
+    if "name" in options and "name" not in params and isinstance(own, str) and own:  # what the node is called
+        if options.pop("name") != own:
+            raise ConfigError(f"{key}.name={node.get('name')!r}; allowed: {own} (the name of {node.get('_target_')})")
     runtime = set(runtime)
     allowed = [n for n in params if n not in runtime]
     for name, value in options.items():
@@ -254,7 +265,9 @@ def build(node: Any, key: str, *args: Any, **kwargs: Any) -> Any:
 
     from hydra.utils import instantiate
 
-    check_node(node, key, runtime=set(RUNTIME.get(key, ())) | set(kwargs))
+    _, options = check_node(node, key, runtime=set(RUNTIME.get(key, ())) | set(kwargs))
+    if "name" in node and "name" not in options:  # the class's name, stated by the node: not an argument
+        node = {k: v for k, v in node.items() if k != "name"}
     factory = instantiate(node, _partial_=True, _convert_="all")
     if node.get("_partial_", False):
         return functools.partial(factory, *args, **kwargs)
@@ -286,53 +299,6 @@ def check_optimizer_options(options: Mapping[str, Any]) -> None:
                 raise ConfigError(f"optimizer.betas={value}; allowed: two numbers in [0, 1)")
             for i, beta in enumerate(value):
                 number_in(f"optimizer.betas[{i}]", beta, low=0, high=1, high_open=True)
-
-
-# ------------------------------------------------------------------ engine
-@dataclass
-class EngineConfig:
-    name: str = MISSING
-    # Ranks per machine for hierarchical ops and inner-outer graphs; 0 = all ranks on one machine.
-    ranks_per_machine: int = 0
-    # Per-rank Chrome-trace JSON (Perfetto) in <run dir>/timeline/.
-    timeline: bool = False
-
-
-@dataclass
-class MPIEngineConfig(EngineConfig):
-    name: str = "mpi"
-    # Extra arguments for mpiexec, e.g. ["--bind-to", "none"].
-    mpiexec_args: List[str] = field(default_factory=list)
-
-
-@dataclass
-class NCCLEngineConfig(EngineConfig):
-    """CuPy-NCCL on GPUs: one MPI rank per GPU (GPU = the rank's index on its machine)."""
-
-    name: str = "nccl"
-    mpiexec_args: List[str] = field(default_factory=list)
-    # Share each neighbor exchange's pattern over MPI first: a mismatch raises
-    # on every rank instead of leaving NCCL waiting forever (one small allgather).
-    check_neighbors: bool = True
-
-
-@dataclass
-class ThreadsEngineConfig(EngineConfig):
-    """Virtual ranks: every rank is a thread of the driver process; tensors move in memory."""
-
-    name: str = "threads"
-
-
-@dataclass
-class AutoEngineConfig(EngineConfig):
-    """Chooses per job: nccl when every rank has its own GPU; else mpi while ranks fit
-    the processor slots times slots_factor; else threads (printed, and kept in summary.json)."""
-
-    name: str = "auto"
-    # MPI ranks per processor slot (core) before auto switches to threads.
-    slots_factor: float = 4.0
-    # Passed to mpiexec when mpi or nccl is chosen.
-    mpiexec_args: List[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ scaling
@@ -411,43 +377,6 @@ class Ethernet10GConfig(ScalingConfig):
     name: str = "ethernet_10g"
 
 
-# ------------------------------------------------------------------ logger
-# Rank 0 always writes metrics.jsonl; a logger option says what the driver
-# does with the stream besides: show it, and/or send it to a tracker.
-@dataclass
-class LoggerConfig:
-    name: str = MISSING
-    # Driver progress: a rich bar on a terminal, plain lines otherwise (CI, pipes).
-    progress: bool = True
-
-
-@dataclass
-class ConsoleLoggerConfig(LoggerConfig):
-    name: str = "console"
-
-
-@dataclass
-class JsonlLoggerConfig(LoggerConfig):
-    """metrics.jsonl only: no progress display, just the summary table at the end."""
-
-    name: str = "jsonl"
-    progress: bool = False
-
-
-@dataclass
-class WandbLoggerConfig(LoggerConfig):
-    """Weights & Biases from the driver: one run per job, grouped by sweep."""
-
-    name: str = "wandb"
-    project: str = "bfexp"
-    entity: Optional[str] = None
-    # null: $WANDB_MODE when the user set it, else offline (sync later with `wandb sync`).
-    mode: Optional[str] = None
-    # null: the sweep folder for a multirun, none for a single run.
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
-
-
 # ------------------------------------------------------------------ top level
 @dataclass
 class Config:
@@ -461,9 +390,11 @@ class Config:
     optimizer: Any = MISSING
     # How process ranks start (bfexp.launchers): a `_target_` node, conf/launcher/.
     launcher: Any = MISSING
-    # Data-only groups: the dataclasses above.
+    # The engine its ranks run (bfexp.comm; auto: chosen per job), a `_target_` node, conf/engine/.
     engine: Any = MISSING
+    # A data-only group: the dataclasses above.
     scaling: Any = MISSING
+    # What the driver does with the metrics stream (bfexp.loggers): a `_target_` node, conf/logger/.
     logger: Any = MISSING
     # Stragglers (bfexp.heterogeneity): a `_target_` node, conf/heterogeneity/.
     heterogeneity: Any = MISSING
@@ -515,16 +446,14 @@ class Config:
     target_eval_loss: Optional[float] = None
 
 
-# The data-only groups' options (component groups have no schema here: their targets are it).
+# The data-only group's options (component groups have no schema here: their targets are it).
 DATA_GROUPS: dict[str, dict[str, type]] = {
-    "engine": {"mpi": MPIEngineConfig, "nccl": NCCLEngineConfig, "threads": ThreadsEngineConfig, "auto": AutoEngineConfig},
     "scaling": {
         "local": LocalScalingConfig,
         "v100_cluster": V100ClusterConfig,
         "h100_cluster": H100ClusterConfig,
         "ethernet_10g": Ethernet10GConfig,
     },
-    "logger": {"console": ConsoleLoggerConfig, "jsonl": JsonlLoggerConfig, "wandb": WandbLoggerConfig},
 }
 
 
@@ -561,19 +490,15 @@ def register_configs() -> None:
 
 
 def engine_config(cfg: Any, name: str) -> Any:
-    """engine=auto's choice as a config node: that engine's schema defaults plus the settings both share."""
-    engine = OmegaConf.structured(DATA_GROUPS["engine"][name])
-    for key in engine:
-        if key != "name" and key in cfg.engine:
-            engine[key] = cfg.engine[key]
-    return engine
+    """engine=auto's choice ``name`` as a config node: the chosen engine's class with auto's settings that it
+    takes (bfexp.comm.Auto.choice)."""
+    return OmegaConf.create(build(cfg.engine, "engine").choice(name))
 
 
-# ------------------------------------------------------------------ validation of the top level and data groups
+# ------------------------------------------------------------------ validation of the top level, the data groups, across groups
 ALLOWED = {
     "dtype": typing.get_args(Dtype),
     "fail_mode": typing.get_args(FailMode),
-    "logger.mode": ("offline", "online", "disabled"),
     "scaling.allreduce": ("ring", "hierarchical"),
     "scaling.reference": ("cached", "fresh"),
 }
@@ -593,14 +518,21 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate_logger(logger: Any) -> None:
-    """A tracker must be importable here, or the user gets the command that installs it."""
-    if logger.name == "wandb":
-        import importlib.util
-
+def validate_engine(cfg: Any) -> None:
+    """What the driver reads of the engine node before any engine class is imported (they import torch; the
+    engine's own options are its constructor's, checked where it is built): its name, and its machines
+    against the ranks. engine=auto's chooser (bfexp.comm.Auto) is light: built here, it checks its options."""
+    engine = cfg.engine
+    for key in ("name", "ranks_per_machine"):
+        _require(key in engine, f"engine.{key} is missing; allowed: an engine node with _target_, name and "
+                                "ranks_per_machine (see conf/engine/)")
+    if engine.name == "auto":
+        build(engine, "engine")
+    rpm = number_in("engine.ranks_per_machine", engine.ranks_per_machine, low=0, integer=True, note="(0: one machine)")
+    if rpm:
         _require(
-            importlib.util.find_spec("wandb") is not None,
-            "logger=wandb needs the wandb package; install it with: pip install 'bfexp[wandb]'",
+            cfg.ranks % rpm == 0,
+            f"engine.ranks_per_machine={rpm} does not divide ranks={cfg.ranks}; allowed: a divisor of ranks",
         )
 
 
@@ -635,10 +567,10 @@ def validate_scaling(cfg: Any) -> None:
 
 
 def validate(cfg: Any) -> None:
-    """Reject what cannot run in the top level and the data-only groups, naming the value and what is allowed.
-
-    Component options (algorithm, topology, model, dataset, optimizer) are
-    checked by their own constructors in the driver's dry build (bfexp.cli).
+    """Reject what cannot run in the top level, the data-only groups and across groups, naming the value and
+    what is allowed. The logger and the launcher are built here (light classes whose constructors check their
+    options); the other components (algorithm, topology, model, dataset, optimizer, engine) are checked by
+    their own constructors in the driver's dry build (bfexp.cli) or where they are built.
     """
     for key, allowed in ALLOWED.items():
         value = _get(cfg, key)
@@ -668,18 +600,10 @@ def validate(cfg: Any) -> None:
         number_in("target_eval_loss", cfg.target_eval_loss, low=0, low_open=True)
     if cfg.fail_rank is not None:
         number_in("fail_rank", cfg.fail_rank, low=0, integer=True)  # beyond a job's ranks it never fires (sweeps)
-    validate_logger(cfg.logger)
+    build(cfg.logger, "logger")  # its constructor checks its options (bfexp.loggers), e.g. wandb importable
     build(cfg.launcher, "launcher")  # its constructor checks its options (bfexp.launchers)
+    validate_engine(cfg)
     validate_scaling(cfg)
-    if cfg.engine.name == "auto":
-        number_in("engine.slots_factor", cfg.engine.slots_factor, low=0, low_open=True)
-    rpm = cfg.engine.ranks_per_machine
-    _require(rpm >= 0, f"engine.ranks_per_machine={rpm}; allowed: 0 (one machine) or >= 1")
-    if rpm:
-        _require(
-            cfg.ranks % rpm == 0,
-            f"engine.ranks_per_machine={rpm} does not divide ranks={cfg.ranks}; allowed: a divisor of ranks",
-        )
 
 
 def launcher_of(cfg: Any) -> Any:

@@ -1,10 +1,15 @@
-"""Experiment trackers fed from the driver.
+"""What the driver does with a job's metrics stream: the logger group's options, and trackers.
 
 Rank 0 always writes metrics.jsonl, and the driver follows it for its
 progress display; a tracker receives the same records there. Logging from
 the driver rather than from a rank keeps trackers out of the ranks (no
 tracker process per rank, nothing to import under mpiexec) and works the
 same for every engine.
+
+A logger is a component like a launcher: conf/logger/<name>.yaml names its
+class with ``_target_``, the constructor is its schema and checks its
+options (bad input: ConfigError, exit 2), and ``tracker(cfg, run_dir)`` opens
+what receives the records. A user's own logger subclasses ``Logger``.
 
 wandb is an optional extra. It runs offline unless the user chose a mode
 (logger.mode or $WANDB_MODE): a run must never need a network or an
@@ -13,12 +18,16 @@ account, and `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from bfexp import results
+from bfexp.errors import ConfigError
+
+__all__ = ["Console", "Jsonl", "Logger", "Tracker", "Wandb", "WandbTracker"]
 
 WANDB_INSTALL = "pip install 'bfexp[wandb]'"
 
@@ -65,29 +74,28 @@ def wandb_mode(configured: str | None) -> str:
 class WandbTracker(Tracker):
     """One wandb run per job: the resolved config, every record, the summary."""
 
-    def __init__(self, cfg: Any, run_dir: Path) -> None:
+    def __init__(self, logger: "Wandb", cfg: Any, run_dir: Path) -> None:
         import wandb
         from omegaconf import OmegaConf
 
         from bfexp.config import label
 
-        lc = cfg.logger
         sweep = sweep_dir()
         if sweep is not None:
-            name, group = run_dir.name, lc.group or str(sweep)
+            name, group = run_dir.name, logger.group or str(sweep)
         else:
-            name, group = f"{label(cfg.algorithm)}-{label(cfg.topology)}-x{cfg.ranks}-{run_dir.name}", lc.group
+            name, group = f"{label(cfg.algorithm)}-{label(cfg.topology)}-x{cfg.ranks}-{run_dir.name}", logger.group
         self._finished = False
         self.run = wandb.init(
-            project=lc.project,
-            entity=lc.entity,
+            project=logger.project,
+            entity=logger.entity,
             group=group,
             name=name,
             job_type=label(cfg.algorithm),
-            tags=list(lc.tags) or None,
+            tags=list(logger.tags) or None,
             config=OmegaConf.to_container(cfg, resolve=True),
             dir=str(run_dir),
-            mode=wandb_mode(lc.mode),
+            mode=wandb_mode(logger.mode),
             # The driver's own stdout and machine stats say nothing about training.
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
         )
@@ -105,19 +113,64 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=0 if summary.get("status") in (results.COMPLETED, results.DIVERGED) else 1)
 
 
-def open_tracker(cfg: Any, run_dir: Path) -> Tracker:
-    """The tracker cfg.logger asks for; a do-nothing one for console and jsonl.
+# ---------------------------------------------------------------- the logger group's options
 
-    A tracker that cannot start (e.g. online mode without a login) costs the
-    job its tracking, not its training: one warning line, and the run goes on.
-    """
-    if cfg.logger.name != "wandb":
+
+class Logger:
+    """What the driver does with a job's records besides metrics.jsonl: a progress display (``progress``) and
+    the tracker ``tracker`` opens. This base shows progress and tracks nothing."""
+
+    name: ClassVar[str] = "logger"
+
+    def __init__(self, progress: bool = True) -> None:
+        """``progress``: the driver's progress display (a rich bar on a terminal, plain lines otherwise)."""
+        self.progress = progress
+
+    def tracker(self, cfg: Any, run_dir: Path) -> Tracker:
+        """What receives the job's records and its summary (a do-nothing Tracker here)."""
         return Tracker()
-    try:
-        return WandbTracker(cfg, Path(run_dir))
-    except ImportError:
-        raise  # validate() already checked; reaching here is a bug worth seeing
-    except Exception as e:  # wandb raises its own error types for login/network problems
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"bfexp: warning: wandb did not start ({first}); the job runs without it", file=sys.stderr)
-        return Tracker()
+
+
+class Console(Logger):
+    """logger=console: progress in the driver, no tracker."""
+
+    name: ClassVar[str] = "console"
+
+
+class Jsonl(Logger):
+    """logger=jsonl: metrics.jsonl only: no progress display, just the summary table at the end."""
+
+    name: ClassVar[str] = "jsonl"
+
+    def __init__(self, progress: bool = False) -> None:
+        super().__init__(progress)
+
+
+class Wandb(Logger):
+    """logger=wandb: Weights & Biases from the driver, beside the progress display: one run per job, grouped
+    by sweep."""
+
+    name: ClassVar[str] = "wandb"
+
+    def __init__(self, progress: bool = True, project: str = "bfexp", entity: str | None = None,
+                 mode: Literal["offline", "online", "disabled"] | None = None, group: str | None = None,
+                 tags: tuple[str, ...] = ()) -> None:
+        """``mode`` null: $WANDB_MODE when the user set it, else offline (sync later with `wandb sync`);
+        ``group`` null: the sweep folder for a multirun, none for a single run. wandb must be importable
+        (the optional extra): ConfigError with the command that installs it."""
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"logger=wandb needs the wandb package; install it with: {WANDB_INSTALL}")
+        super().__init__(progress)
+        self.project, self.entity, self.mode, self.group, self.tags = project, entity, mode, group, tuple(tags)
+
+    def tracker(self, cfg: Any, run_dir: Path) -> Tracker:
+        """The job's wandb run. One that cannot start (e.g. online mode without a login) costs the job its
+        tracking, not its training: one warning line, and the run goes on."""
+        try:
+            return WandbTracker(self, cfg, Path(run_dir))
+        except ImportError:
+            raise  # the constructor checked; reaching here is a bug worth seeing
+        except Exception as e:  # wandb raises its own error types for login/network problems
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"bfexp: warning: wandb did not start ({first}); the job runs without it", file=sys.stderr)
+            return Tracker()

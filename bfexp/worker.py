@@ -536,15 +536,7 @@ def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
 # ---------------------------------------------------------------- an MPI rank's process
 
 
-def engine_options(cfg: Any, engine_cls: type[Engine]) -> dict:
-    """The engine config's settings that the engine's constructor takes."""
-    params, _, _ = config.signature_schema(engine_cls)
-    return {k: v for k, v in OmegaConf.to_container(cfg.engine, resolve=True).items() if k in params}
-
-
 def main(argv: list[str] | None = None) -> None:
-    from bfexp.comm import engine_class
-
     argv = sys.argv[1:] if argv is None else argv
     defer_dynamo()
     run_dir = Path(argv[0])
@@ -553,8 +545,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)  # nothing done, nothing to keep; no MPI finalize (its fence would wait on the other ranks)
     PHASES.mark("MPI init; the driver's checks, if started early")
     cfg = OmegaConf.load(run_dir / results.CONFIG)
-    engine_cls = engine_class(cfg.engine.name)  # mpi, or nccl: one rank per GPU, its unique id over MPI
-    engine = engine_cls(**engine_options(cfg, engine_cls))
+    engine = config.build(cfg.engine, "engine")  # mpi, or nccl: one rank per GPU, its unique id over MPI
     PHASES.mark("engine: communicators")
     results.output_to(run_dir / results.LOGS_DIR / f"rank{engine.rank}.log")  # the driver owns the terminal
     watchdog.enable_stack_dumps()  # the hang watchdog's SIGUSR2, and crashes: every thread's stack into the log

@@ -564,13 +564,20 @@ class MPIEngine(MPIHost, Engine):
     device_type: ClassVar[str] = "cpu"
 
     def __init__(
-        self, *, ranks_per_machine: int = 0, check_neighbors: bool = True, comm: Any = None, timeline_from_env: bool = True
+        self, *, ranks_per_machine: int = 0, check_neighbors: bool = True, timeline: bool = False,
+        mpiexec_args: tuple[str, ...] = (), comm: Any = None, timeline_from_env: bool = True
     ) -> None:
         """``ranks_per_machine`` (0: all on one) groups ranks into machines for hierarchical ops;
         ``check_neighbors=False`` skips the declaration check of neighbor_allreduce and
         hierarchical_neighbor_allreduce (one tiny Allgather per call): a mismatch then hangs,
-        as raw MPI does. ``comm``: the communicator (default COMM_WORLD)."""
+        as raw MPI does. ``comm``: the communicator (default COMM_WORLD).
+
+        Two settings of conf/engine/mpi.yaml are for the job around the engine, which reads them from
+        its config: ``timeline`` (the worker records each rank's Chrome trace into <run dir>/timeline/)
+        and ``mpiexec_args`` (extra arguments of the mpiexec that starts the ranks, e.g.
+        ["--bind-to", "none"]; kept as ``self.mpiexec_args``)."""
         super().__init__()
+        self.mpiexec_args = tuple(mpiexec_args)
         self.check_neighbors = check_neighbors
         self._join(comm, ranks_per_machine)
         self._aux = self.comm.Dup()  # shape headers of gathers, apart from data tags

@@ -164,13 +164,17 @@ class NCCLEngine(MPIHost, Engine):
         ranks_per_machine: int = 0,
         check_neighbors: bool = True,
         gpu: int | None = None,
+        timeline: bool = False,
+        mpiexec_args: tuple[str, ...] = (),
         comm: Any = None,
         timeline_from_env: bool = True,
     ) -> None:
         """``ranks_per_machine`` (0: all on one) groups ranks into machines; ``check_neighbors=False``
         skips sharing each neighbor exchange's declarations first (a mismatch then hangs in NCCL);
-        ``gpu`` (default: the rank's index among the ranks of its physical machine)."""
+        ``gpu`` (default: the rank's index among the ranks of its physical machine). ``timeline`` and
+        ``mpiexec_args`` are for the job around the engine, as on the MPI engine (MPIEngine)."""
         super().__init__()
+        self.mpiexec_args = tuple(mpiexec_args)
         import cupy
         from cupy.cuda import nccl
 

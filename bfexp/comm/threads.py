@@ -59,7 +59,7 @@ import torch
 from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDeclaration, Table
 from bfexp.comm.declarations import allgather_problems, header, mismatch_error, shape_signature
 from bfexp.comm.engine import HALF_DTYPES, Call, Engine, NeighborSpec, Pending, Window, accumulate_, recorded
-from bfexp.comm.engine import first_dims, ungather, weighted_combine_, work_dtype
+from bfexp.comm.engine import first_dims, local_size_for, ungather, weighted_combine_, work_dtype
 from bfexp.comm.rendezvous import POLL_S, Rendezvous
 from bfexp.errors import CommError, RankAborted
 from bfexp.launchers.base import processor_slots
@@ -330,10 +330,18 @@ class ThreadsEngine(Engine):
     processes: ClassVar[bool] = False
     device_type: ClassVar[str] = "cpu"
 
-    def __init__(self, world: ThreadWorld, rank: int) -> None:
+    def __init__(self, world: ThreadWorld, rank: int, *, ranks_per_machine: int | None = None,
+                 timeline: bool = False) -> None:
+        """Rank ``rank`` of ``world``. The settings of conf/engine/threads.yaml are its world's, which the
+        driver builds from the job's config: ``ranks_per_machine`` groups the ranks into machines (0: one
+        machine; given here, it must be the world's), ``timeline`` has every rank record a Chrome trace
+        into <run dir>/timeline/."""
         super().__init__()
         if not 0 <= rank < world.size:
             raise ValueError(f"rank={rank}; allowed: 0..{world.size - 1}")
+        if ranks_per_machine is not None and local_size_for(world.size, ranks_per_machine) != world.local_size:
+            raise ValueError(f"ranks_per_machine={ranks_per_machine}; allowed: its world's ({world.local_size} ranks "
+                             "per machine)")
         self.world = world
         self._rank = rank
         self._local_size = world.local_size
