@@ -174,153 +174,182 @@ class Trained:
 
 def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
     """Train one rank's model; rank 0 writes metrics.jsonl and summary.json."""
-    rank, size = engine.rank, engine.size
-    started = time.perf_counter()
-    job = build(cfg, engine)
-    mark(engine, "build: model, optimizer, algorithm")
-    optimizer, data = job.optimizer, job.data
-    sampler = BatchSampler(data, cfg.batch_size, cfg.seed, rank)
-    steps = total_steps(cfg, data.global_train_size, size)
-    timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
-    # Stragglers (bfexp.heterogeneity): a rank's extra time per step, or its simulated compute time.
-    heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
-    # The single-rank reference: from the cache, or measured in rounds between the timed training steps
-    # (a 1-rank job at an even pace is its own: its steps are the reference's).
-    single = reference(cfg, engine, job, BatchSampler(data, cfg.batch_size, cfg.seed + 1, rank).next,
-                       steps=steps, first=timer.warmup + 1, own_steps=size == 1 and not heterogeneity.active)
-    mark(engine, "single-rank reference: cache look-up")
-    test_x, test_y = held_out(data.test_x.to(job.device, job.dtype), data.test_y.to(job.device), cfg.get("eval_subset"))
-    metrics_path = run_dir / results.METRICS
-    status, error = results.COMPLETED, None
-    loss = None
-    # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
-    # loop's own state: the logging window's sums, the last record, the bytes this rank's training
-    # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
-    checkpoints = checkpoint.Checkpointer(cfg, engine, run_dir)
-    resumed = checkpoints.restore(job.model, optimizer, sampler)
-    interval_loss, interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
-    record: dict = resumed.get("record", {})
-    bytes_sent = resumed.get("bytes_sent", 0)
-    elapsed_before = resumed.get("elapsed_s", 0.0)
-    # Held-out evaluation: at eval_every, or as often as eval_budget of the training time allows (bfexp.metrics).
-    evals = EvalSchedule(cfg.get("eval_every"), cfg.get("eval_budget", 0.1), cfg.log_every, len(test_y), sampler.batch_size)
-    evals.time_s, last_eval = resumed.get("eval_time_s", 0.0), resumed.get("last_eval", {})
-    # Time to accuracy: this rank's training time, simulated (virtual ranks' clocks) or measured
-    # (wall seconds inside its training steps, straggler sleeps included).
-    pace = heterogeneity.pace(engine, int(cfg.seed), first_step=resumed["step"] + 1)
-    clock = TrainClock(engine, resumed.get("time_s", 0.0))
+    return Training(cfg, engine, run_dir).run()
 
-    def loop_state() -> dict:
-        return {"interval_loss": interval_loss, "interval_n": interval_n, "record": record, "bytes_sent": bytes_sent,
-                "elapsed_s": elapsed_before + time.perf_counter() - started, "time_s": clock.now_s(),
-                "eval_time_s": evals.time_s, "last_eval": last_eval}
 
-    def stopped(at: int) -> str:
-        return f"stopped at step {at} ({checkpoint.stop_reason(run_dir) or 'stop requested'}); checkpoint at step {at}"
+class Training:
+    """One rank's training job, read top to bottom: ``__init__`` builds it (or restores it from the run
+    folder's checkpoint), ``run`` is the loop, ``log`` a logging step, ``summary`` what it reports."""
 
-    step = resumed["step"]
-    for step in range(resumed["step"] + 1, steps + 1):
-        watchdog.at_step(cfg, engine, step)  # the heartbeat; an injected fault (fail_rank, fail_step, fail_mode)
-        x, y = sampler.next()
-        x, y = x.to(job.device), y.to(job.device)
-        sent_before = engine.bytes_sent
-        timer.start(engine)
-        clock.start()
-        loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline, pace)
-        clock.stop()
-        timer.stop(engine)
-        bytes_sent += engine.bytes_sent - sent_before
-        interval_loss += float(loss.detach())
-        interval_n += 1
-        single.after_step(step, timer.last_s)
-        if not evals.logs(step, steps):
-            if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state()):  # checkpoint_every
-                status, error = results.INTERRUPTED, stopped(step)
+    def __init__(self, cfg: Any, engine: Engine, run_dir: Path) -> None:
+        self.cfg, self.engine, self.run_dir = cfg, engine, run_dir
+        self.started = time.perf_counter()
+        self.job = job = build(cfg, engine)
+        mark(engine, "build: model, optimizer, algorithm")
+        data = job.data
+        self.sampler = BatchSampler(data, cfg.batch_size, cfg.seed, engine.rank)
+        self.steps = steps = total_steps(cfg, data.global_train_size, engine.size)
+        self.timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
+        # Stragglers (bfexp.heterogeneity): a rank's extra time per step, or its simulated compute time.
+        self.heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
+        # The single-rank reference: from the cache, or measured in rounds between the timed training steps
+        # (a 1-rank job at an even pace is its own: its steps are the reference's).
+        self.single = reference(cfg, engine, job, BatchSampler(data, cfg.batch_size, cfg.seed + 1, engine.rank).next,
+                                steps=steps, first=self.timer.warmup + 1,
+                                own_steps=engine.size == 1 and not self.heterogeneity.active)
+        mark(engine, "single-rank reference: cache look-up")
+        self.test = held_out(data.test_x.to(job.device, job.dtype), data.test_y.to(job.device), cfg.get("eval_subset"))
+        # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
+        # loop's own state: the logging window's sums, the last record, the bytes this rank's training
+        # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
+        self.checkpoints = checkpoint.Checkpointer(cfg, engine, run_dir)
+        resumed = self.checkpoints.restore(job.model, job.optimizer, self.sampler)
+        self.first = resumed["step"] + 1
+        self.interval_loss, self.interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
+        self.record: dict = resumed.get("record", {})
+        self.bytes_sent = resumed.get("bytes_sent", 0)
+        self.elapsed_before = resumed.get("elapsed_s", 0.0)
+        # Held-out evaluation: at eval_every, or as often as eval_budget of the training time allows (bfexp.metrics).
+        self.evals = EvalSchedule(cfg.get("eval_every"), cfg.get("eval_budget", 0.1), cfg.log_every,
+                                  len(self.test[1]), self.sampler.batch_size)
+        self.evals.time_s, self.last_eval = resumed.get("eval_time_s", 0.0), resumed.get("last_eval", {})
+        # Time to accuracy: this rank's training time, simulated (virtual ranks' clocks) or measured
+        # (wall seconds inside its training steps, straggler sleeps included).
+        self.pace = self.heterogeneity.pace(engine, int(cfg.seed), first_step=self.first)
+        self.clock = TrainClock(engine, resumed.get("time_s", 0.0))
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the loop besides the model, the algorithm and the sampler."""
+        return {"interval_loss": self.interval_loss, "interval_n": self.interval_n, "record": self.record,
+                "bytes_sent": self.bytes_sent, "elapsed_s": self.elapsed(), "time_s": self.clock.now_s(),
+                "eval_time_s": self.evals.time_s, "last_eval": self.last_eval}
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def stopped(self, at: int) -> str:
+        return f"stopped at step {at} ({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {at}"
+
+    def run(self) -> Trained:
+        cfg, engine, job, optimizer, sampler, timer = self.cfg, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
+        status, error, loss = results.COMPLETED, None, None
+        step = self.first - 1
+        for step in range(self.first, self.steps + 1):
+            watchdog.at_step(cfg, engine, step)  # the heartbeat; an injected fault (fail_rank, fail_step, fail_mode)
+            x, y = sampler.next()
+            x, y = x.to(job.device), y.to(job.device)
+            sent_before = engine.bytes_sent
+            timer.start(engine)
+            self.clock.start()
+            loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline, self.pace)
+            self.clock.stop()
+            timer.stop(engine)
+            self.bytes_sent += engine.bytes_sent - sent_before
+            self.interval_loss += float(loss.detach())
+            self.interval_n += 1
+            self.single.after_step(step, timer.last_s)
+            if not self.evals.logs(step, self.steps):
+                if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state()):  # checkpoint_every
+                    status, error = results.INTERRUPTED, self.stopped(step)
+                    break
+                continue
+            stop = self.log(step)
+            train_loss = self.record["loss"]
+            if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
+                status, error = results.DIVERGED, f"loss {train_loss:.4g} at step {step} (divergence_loss={cfg.divergence_loss:g})"
                 break
-            continue
+            if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state(), stop=stop > 0):
+                status, error = results.INTERRUPTED, self.stopped(step)
+                break
         optimizer.finish()
-        evaluating = evals.due(step, steps)
+        mark(engine, "training loop")
+        parameters = optimizer.evaluation_parameters().detach().cpu().clone()
+        summary = self.summary(status, error, step)
+        optimizer.close()
+        summary["wall_time_s"] = time.perf_counter() - self.started
+        if engine.rank == 0:
+            results.write_json_atomic(self.run_dir / results.SUMMARY, summary)
+        return Trained(summary, float(loss.detach()) if loss is not None else None, parameters)
+
+    def log(self, step: int) -> float:
+        """A logging step (collective): evaluate when due, average over ranks, rank 0 appends the record.
+        Returns the ranks' stop flag (> 0: a stop was asked), which travels with the metrics so that every
+        rank learns of it at the same step."""
+        engine, optimizer, evals = self.engine, self.job.optimizer, self.evals
+        optimizer.finish()
+        evaluating = evals.due(step, self.steps)
         eval_started = time.perf_counter()
-        eval_loss, accuracy = evaluate(job.model, test_x, test_y) if evaluating else (math.nan, math.nan)
+        eval_loss, accuracy = evaluate(self.job.model, *self.test) if evaluating else (math.nan, math.nan)
         eval_s = time.perf_counter() - eval_started
-        # The stop flag travels with the metrics: every rank learns of a stop request at the same step.
         train_loss, eval_loss, accuracy, step_time, mean_sent, stop = global_mean(
-            engine, interval_loss / interval_n, eval_loss, accuracy, timer.take_window(), float(bytes_sent),
-            checkpoints.stop_requested(),
+            engine, self.interval_loss / self.interval_n, eval_loss, accuracy, self.timer.take_window(),
+            float(self.bytes_sent), self.checkpoints.stop_requested(),
         )
-        interval_loss, interval_n = 0.0, 0
+        self.interval_loss, self.interval_n = 0.0, 0
         # Every logged step: how far the models are apart (0 by construction for the allreduce baselines).
         consensus = 0.0 if getattr(optimizer, "models_agree", False) else consensus_distance(
             engine, optimizer.evaluation_parameters())
         if evaluating:
-            last_eval = {"eval_loss": eval_loss, "accuracy": accuracy}
+            self.last_eval = {"eval_loss": eval_loss, "accuracy": accuracy}
             evals.spent(eval_s)
-        record = {
+        self.record = {
             "step": step,
-            "epoch": round(sampler.epoch_progress(), 4),
+            "epoch": round(self.sampler.epoch_progress(), 4),
             "loss": train_loss,
             # null where this step did not evaluate (EvalSchedule)
-            **(last_eval if evaluating else {"eval_loss": None, "accuracy": None}),
+            **(self.last_eval if evaluating else {"eval_loss": None, "accuracy": None}),
             "consensus_distance": consensus,
             "step_time_s": step_time,
-            "throughput_samples_per_s": scaling.throughput(size, sampler.batch_size, step_time),
+            "throughput_samples_per_s": scaling.throughput(engine.size, self.sampler.batch_size, step_time),
             "bytes_sent": mean_sent,
-            "elapsed_s": elapsed_before + time.perf_counter() - started,
-            "time_s": clock.latest_s(),  # collective: the last rank's training time
+            "elapsed_s": self.elapsed(),
+            "time_s": self.clock.latest_s(),  # collective: the last rank's training time
             "time_source": engine.time_source,
         }
-        if rank == 0:
-            results.append_jsonl(metrics_path, record)
-        if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
-            status, error = results.DIVERGED, f"loss {train_loss:.4g} at step {step} (divergence_loss={cfg.divergence_loss:g})"
-            break
-        if checkpoints.boundary(step, job.model, optimizer, sampler, loop_state(), stop=stop > 0):
-            status, error = results.INTERRUPTED, stopped(step)
-            break
+        if engine.rank == 0:
+            results.append_jsonl(self.run_dir / results.METRICS, self.record)
+        return stop
 
-    optimizer.finish()
-    mark(engine, "training loop")
-    parameters = optimizer.evaluation_parameters().detach().cpu().clone()
-    step_time_s, comm_time_s, bytes_per_step, eval_time_s = global_mean(
-        engine, timer.mean_step_s, timer.mean_blocked_s, bytes_sent / max(1, timer.steps), evals.time_s)
-    uses_topology = type(optimizer).uses_topology
-    summary = job_identity(cfg, ranks=size, engine=engine.name, batch_size=sampler.batch_size)
-    summary.update({
-        # What the algorithm really ran on (exact diffusion may substitute an undirected form).
-        "topology_used": job.topology.label if uses_topology else None,
-        "topology_weights": job.topology.weight_scheme if uses_topology else None,
-        "status": status,
-        "error": error,
-        "final_loss": record.get("loss"),
-        "final_eval_loss": last_eval.get("eval_loss"),  # the last evaluation's
-        "final_accuracy": last_eval.get("accuracy"),
-        "consensus_distance": record.get("consensus_distance"),
-        "steps": record.get("step", 0),
-        "epochs": record.get("epoch"),
-        "step_time_s": step_time_s,
-        "comm_time_s": comm_time_s,
-        "throughput_samples_per_s": scaling.throughput(size, sampler.batch_size, step_time_s),
-        "bytes_sent_per_step": bytes_per_step,
-        "heterogeneity": heterogeneity.describe(),
-        "train_time_s": record.get("time_s"),
-        "train_time_source": engine.time_source,
-        # Held-out evaluation, apart from training: seconds per rank (mean over ranks), how many, how often.
-        "eval_time_s": eval_time_s,
-        "evaluations": evals.count,
-        "eval_every": evals.interval,
-    })
-    if checkpoints.step:
-        summary["resumed_from_step"] = checkpoints.step
-    if status == results.INTERRUPTED:  # stopped to be resumed: the run that finishes it measures the figures
-        summary["checkpoint_step"] = step
-    else:
-        summary.update(job_figures(cfg, engine, job, sampler.batch_size, timer, single.finish(timer.step_samples)))
-        mark(engine, "scaling figures: reference rounds left, baseline probe")
-    optimizer.close()
-    summary["wall_time_s"] = time.perf_counter() - started
-    if rank == 0:
-        results.write_json_atomic(run_dir / results.SUMMARY, summary)
-    return Trained(summary, float(loss.detach()) if loss is not None else None, parameters)
+    def summary(self, status: str, error: str | None, step: int) -> dict:
+        """The job's summary (collective): what it trained to, its costs, and (unless stopped to be resumed)
+        its scaling figures."""
+        cfg, engine, job, timer, batch, record = self.cfg, self.engine, self.job, self.timer, self.sampler.batch_size, self.record
+        step_time_s, comm_time_s, bytes_per_step, eval_time_s = global_mean(
+            engine, timer.mean_step_s, timer.mean_blocked_s, self.bytes_sent / max(1, timer.steps), self.evals.time_s)
+        uses_topology = type(job.optimizer).uses_topology
+        summary = job_identity(cfg, ranks=engine.size, engine=engine.name, batch_size=batch)
+        summary.update({
+            # What the algorithm really ran on (exact diffusion may substitute an undirected form).
+            "topology_used": job.topology.label if uses_topology else None,
+            "topology_weights": job.topology.weight_scheme if uses_topology else None,
+            "status": status,
+            "error": error,
+            "final_loss": record.get("loss"),
+            "final_eval_loss": self.last_eval.get("eval_loss"),  # the last evaluation's
+            "final_accuracy": self.last_eval.get("accuracy"),
+            "consensus_distance": record.get("consensus_distance"),
+            "steps": record.get("step", 0),
+            "epochs": record.get("epoch"),
+            "step_time_s": step_time_s,
+            "comm_time_s": comm_time_s,
+            "throughput_samples_per_s": scaling.throughput(engine.size, batch, step_time_s),
+            "bytes_sent_per_step": bytes_per_step,
+            "heterogeneity": self.heterogeneity.describe(),
+            "train_time_s": record.get("time_s"),
+            "train_time_source": engine.time_source,
+            # Held-out evaluation, apart from training: seconds per rank (mean over ranks), how many, how often.
+            "eval_time_s": eval_time_s,
+            "evaluations": self.evals.count,
+            "eval_every": self.evals.interval,
+        })
+        if self.checkpoints.step:
+            summary["resumed_from_step"] = self.checkpoints.step
+        if status == results.INTERRUPTED:  # stopped to be resumed: the run that finishes it measures the figures
+            summary["checkpoint_step"] = step
+        else:
+            summary.update(job_figures(cfg, engine, job, batch, timer, self.single.finish(timer.step_samples)))
+            mark(engine, "scaling figures: reference rounds left, baseline probe")
+        return summary
 
 
 class TrainClock:
