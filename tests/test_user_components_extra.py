@@ -1,0 +1,140 @@
+"""A user's own compressor and engine plug in with no edit to bfexp (issue 31).
+
+As in tests/test_user_components.py, the user's code is a module of their own in the job's
+working folder and their YAMLs sit in their own config dir (`--config-dir myconf`): one class
+and one YAML each, the constructor the option's schema, built by Hydra from `_target_`. The
+compressor runs CHOCO-SGD on virtual ranks and its bad options exit 2 with one line; the engine
+(the MPI engine with one option more) carries a real job's MPI ranks.
+"""
+
+import json
+import math
+import textwrap
+
+import pytest
+
+D = 4810  # parameters of the MLP on digits (64 -> 64 -> 10), float32
+
+COMPRESSOR_MODULE = '''
+import math
+
+import torch
+
+from bfexp.compression import Compressor, as_bytes, from_bytes
+from bfexp.errors import number_in
+
+
+class Strided(Compressor):
+    """A user's compressor: every `stride`-th entry of the vector, zeros elsewhere."""
+
+    name = "strided"
+
+    def __init__(self, stride: int = 2) -> None:
+        self.stride = number_in("algorithm.compressor.stride", stride, low=1, integer=True)
+
+    def payload_bytes(self, numel, dtype):
+        return math.ceil(numel / self.stride) * dtype.itemsize
+
+    def encode(self, v, generator=None):
+        return as_bytes(v[:: self.stride].clone())
+
+    def decode(self, payload, numel, dtype):
+        out = torch.zeros(numel, dtype=dtype, device=payload.device)
+        out[:: self.stride] = from_bytes(payload, dtype)
+        return out
+'''
+
+COMPRESSOR_YAML = """\
+# The user's compressor, from their own config dir.
+_target_: mycompress.Strided
+stride: 2
+"""
+
+ENGINE_MODULE = '''
+from pathlib import Path
+
+from bfexp.comm.mpi import MPIEngine
+
+
+class NotingMPI(MPIEngine):
+    """A user's engine: the MPI engine, leaving a note of each rank's sent bytes when it closes."""
+
+    def __init__(self, note: str = "engine", **options) -> None:
+        super().__init__(**options)
+        self.note = note
+
+    def close(self) -> None:
+        Path(f"{self.note}.rank{self.rank}").write_text(f"{type(self).__name__} {self.bytes_sent}")
+        super().close()
+'''
+
+# The shipped MPI option underneath (Hydra's defaults list), the user's class and option on top.
+ENGINE_YAML = """\
+# The user's engine, from their own config dir.
+defaults:
+  - mpi
+  - _self_
+
+_target_: mycomm.NotingMPI
+note: engine
+"""
+
+SMALL = ["--config-dir", "myconf", "engine=threads", "ranks=4", "steps=6", "log_every=3", "model=mlp",
+         "dataset=digits", "baseline_steps=0", "report=false"]
+
+
+@pytest.fixture
+def user_project(bfexp):
+    (bfexp.cwd / "mycompress.py").write_text(textwrap.dedent(COMPRESSOR_MODULE))
+    (bfexp.cwd / "mycomm.py").write_text(textwrap.dedent(ENGINE_MODULE))
+    (bfexp.cwd / "myconf" / "algorithm" / "compressor").mkdir(parents=True)
+    (bfexp.cwd / "myconf" / "algorithm" / "compressor" / "strided.yaml").write_text(COMPRESSOR_YAML)
+    (bfexp.cwd / "myconf" / "engine").mkdir()
+    (bfexp.cwd / "myconf" / "engine" / "noting_mpi.yaml").write_text(ENGINE_YAML)
+    return bfexp
+
+
+def test_user_compressor_runs_choco_sgd_and_sends_what_it_packs(user_project):
+    proc = user_project(*SMALL, "algorithm=choco_sgd", "+algorithm/compressor=strided", "algorithm.compressor.stride=5",
+                        "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    summary = json.loads((user_project.cwd / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["algorithm"] == "choco_sgd"
+    # exp2 over 4 ranks: each rank sends its payload, every fifth float32 entry, to 2 peers
+    assert summary["bytes_sent_per_step"] == 2 * math.ceil(D / 5) * 4
+
+
+@pytest.mark.parametrize("args, words", [
+    (["algorithm.compressor.stride=0"], ["algorithm.compressor.stride=0", "an integer >= 1"]),
+    (["algorithm.compressor.stride=wide"], ["algorithm.compressor.stride='wide'", "an integer"]),
+    (["+algorithm.compressor.strid=3"], ["unknown key 'algorithm.compressor.strid'", "allowed: stride"]),
+])
+def test_user_compressor_bad_options_exit_2(user_project, args, words):
+    proc = user_project(*SMALL, "algorithm=choco_sgd", "+algorithm/compressor=strided", *args, "hydra.run.dir=run")
+    assert proc.returncode == 2, proc.stderr + proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bfexp: error:"), proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (user_project.cwd / "run").exists(), "bad input leaves no folder"
+
+
+def test_user_compressor_by_name_is_refused_naming_the_way_to_pick_it(user_project):
+    """A bare name means a shipped option on every rank; the user's own comes in with its group."""
+    proc = user_project(*SMALL, "algorithm=choco_sgd", "algorithm.compressor=strided", "hydra.run.dir=run")
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "algorithm.compressor=strided; allowed: cast, identity" in line and "algorithm/compressor=NAME" in line
+
+
+def test_user_engine_carries_the_ranks_of_a_job(user_project):
+    """engine=noting_mpi: the user's subclass of the MPI engine, with its own option, on real MPI ranks."""
+    note = user_project.cwd / "noted"
+    proc = user_project("--config-dir", "myconf", "engine=noting_mpi", f"engine.note={note}", "ranks=2", "steps=10",
+                        "log_every=5", "baseline_steps=0", "scaling.reference_cache=null", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    summary = json.loads((user_project.cwd / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["engine"] == "mpi" and summary["ranks"] == 2
+    for rank in range(2):
+        cls, sent = (user_project.cwd / f"noted.rank{rank}").read_text().split()
+        assert cls == "NotingMPI" and int(sent) > 0
