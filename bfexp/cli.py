@@ -351,17 +351,10 @@ def run_job(cfg: Any) -> str:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     sweep_dir = Path(str(HydraConfig.get().sweep.dir)) if HydraConfig.get().mode == RunMode.MULTIRUN else None
     _current.update(run_dir=run_dir, cfg=cfg, resume=resume_command(run_dir))
-    if run_dir.parent.name == checkpoint.SKIPPED:  # this job finished in an earlier run of the sweep
-        finished = run_dir.parent.parent / run_dir.name
-        shutil.rmtree(run_dir.parent, ignore_errors=True)
-        status = (results.read_json(finished / results.SUMMARY) or {}).get("status")
-        print(f"bfexp: job {finished.name} already {status} in {finished}: skipped, its folder untouched", flush=True)
-        _job_statuses.append(results.SKIPPED)
-        return results.SKIPPED
-    if _current.get("stopped_sweep"):
-        discard_unused(run_dir)
-        _job_statuses.append(results.NOT_RUN)
-        return results.NOT_RUN
+    passed = not_run(run_dir)
+    if passed:
+        _job_statuses.append(passed)
+        return passed
     # SystemExit passes through Hydra untouched: one line, exit 2, no rank started on its work.
     early = None  # the job's ranks, started while the driver checks it (they wait for the word to go)
 
@@ -402,9 +395,7 @@ def run_job(cfg: Any) -> str:
             if note:
                 print(f"note: {note}", flush=True)
         title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
-        from bfexp.errors import Interrupted
-        from bfexp.signals import SIGNALS
-        from bfexp.progress import ConsoleProgress, print_summary
+        from bfexp.progress import ConsoleProgress
 
         logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
         progress = ConsoleProgress(cfg.steps, title, enabled=logger.progress, epochs=cfg.epochs)
@@ -420,6 +411,32 @@ def run_job(cfg: Any) -> str:
     finally:
         if early is not None:
             early.cancel()  # bad input, a signal: the waiting ranks end unseen (no-op once they ran)
+    report_job(cfg, result, run_dir, sweep_dir)
+    return result.status
+
+
+def not_run(run_dir: Path) -> str | None:
+    """SKIPPED for a sweep job that finished in an earlier run of the sweep (its folder untouched), NOT_RUN
+    after fail_fast stopped the sweep; None for a job to run."""
+    if run_dir.parent.name == checkpoint.SKIPPED:
+        finished = run_dir.parent.parent / run_dir.name
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
+        status = (results.read_json(finished / results.SUMMARY) or {}).get("status")
+        print(f"bfexp: job {finished.name} already {status} in {finished}: skipped, its folder untouched", flush=True)
+        return results.SKIPPED
+    if _current.get("stopped_sweep"):
+        discard_unused(run_dir)
+        return results.NOT_RUN
+    return None
+
+
+def report_job(cfg: Any, result: Any, run_dir: Path, sweep_dir: Path | None) -> None:
+    """After a job: its summary on the terminal, a failure said at once (fail_fast stops the sweep), and a
+    stop signal ends the driver (Interrupted) with the command that resumes."""
+    from bfexp.errors import Interrupted
+    from bfexp.progress import print_summary
+    from bfexp.signals import SIGNALS
+
     if result.status == results.INTERRUPTED:
         result.summary["resume_command"] = resume_command(run_dir)
         with contextlib.suppress(OSError):
@@ -439,7 +456,6 @@ def run_job(cfg: Any) -> str:
         resume = f"; resume with: {_current['resume']}" if result.status == results.INTERRUPTED or sweep_dir else ""
         print(f"bfexp: {signal.Signals(signum).name}: {what}{resume}", file=sys.stderr, flush=True)
         raise Interrupted(signum)  # a sweep stops here too
-    return result.status
 
 
 def print_timing(run_dir: Path) -> None:
