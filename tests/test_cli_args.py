@@ -33,10 +33,13 @@ from tests.conftest import REPO
 BIN = Path(sys.executable).parent  # the venv's bin/: the installed console scripts
 HEADLINE = "bfexp algorithm=exact_diffusion topology=exp2 -m ranks=8,32,128"
 
-# A data set and a launcher of the user's own, as README's `bfexp --config-dir myconf dataset=blobs` and
-# `bfexp --config-dir myconf launcher=pbs engine=mpi` name them.
+# A data set, a launcher, a compressor and an engine of the user's own, as README's
+# `bfexp --config-dir myconf dataset=blobs`, `... launcher=pbs engine=mpi`, `... +algorithm/compressor=strided`
+# and `... engine=noting_mpi` name them.
 FILES = {"myconf/dataset/blobs.yaml": "_target_: mylab.Blobs\ncenters: 3\n",
-         "myconf/launcher/pbs.yaml": "_target_: mysite.launch.Pbs\nqueue: batch\n"}
+         "myconf/launcher/pbs.yaml": "_target_: mysite.launch.Pbs\nqueue: batch\n",
+         "myconf/algorithm/compressor/strided.yaml": "_target_: mylab.Strided\nstride: 2\n",
+         "myconf/engine/noting_mpi.yaml": "defaults:\n  - mpi\n  - _self_\n_target_: mylab.NotingMPI\nnote: engine\n"}
 
 
 def installed(command: str, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -281,9 +284,9 @@ DRIVER = textwrap.dedent("""
     from hydra.core.hydra_config import HydraConfig
     from tests.cli_in_process import call
     from omegaconf import OmegaConf
-    import bfexp.slurm
+    import bfexp.launchers.slurm_sweep as slurm_sweep
 
-    bfexp.slurm.launch = BasicLauncher.launch  # Slurm sweep points: composed here, not submitted
+    slurm_sweep.launch = BasicLauncher.launch  # Slurm sweep points: composed here, not submitted
     jobs = []
 
     def compose_only(cfg):
