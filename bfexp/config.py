@@ -519,15 +519,21 @@ def _require(ok: bool, message: str) -> None:
 
 
 def validate_engine(cfg: Any) -> None:
-    """What the driver reads of the engine node before any engine class is imported (they import torch; the
-    engine's own options are its constructor's, checked where it is built): its name, and its machines
-    against the ranks. engine=auto's chooser (bfexp.comm.Auto) is light: built here, it checks its options."""
+    """What the driver reads of the engine node (its name, its machines against the ranks), and the node
+    against its class where that costs no early start: engine=auto's chooser (bfexp.comm.Auto) is light and
+    built here; virtual ranks' engine is checked (they are threads of this process, which imports their class
+    anyway). A process engine's class imports torch, which the driver leaves until the ranks it may start
+    early have started: its ranks check it, building it."""
+    from bfexp.comm import PROCESS_ENGINES
+
     engine = cfg.engine
     for key in ("name", "ranks_per_machine"):
         _require(key in engine, f"engine.{key} is missing; allowed: an engine node with _target_, name and "
                                 "ranks_per_machine (see conf/engine/)")
     if engine.name == "auto":
         build(engine, "engine")
+    elif engine.name not in PROCESS_ENGINES:
+        check_node(engine, "engine", runtime=RUNTIME["engine"])
     rpm = number_in("engine.ranks_per_machine", engine.ranks_per_machine, low=0, integer=True, note="(0: one machine)")
     if rpm:
         _require(
