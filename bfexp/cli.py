@@ -526,7 +526,7 @@ def _hydra_entry() -> None:
     import hydra
 
     from bfexp.config import register_configs
-    from bfexp.slurm import register_plugin
+    from bfexp.launchers.slurm_sweep import register_plugin
 
     register_configs()
     register_plugin()
@@ -611,7 +611,7 @@ def command(args: list[str]) -> None:
              "allowed: a folder path where this user can create folders")
     except KeyboardInterrupt:
         sys.exit(130)
-    from bfexp.slurm import statuses as slurm_statuses  # jobs a Slurm sweep ran
+    from bfexp.launchers.slurm_sweep import statuses as slurm_statuses  # jobs a Slurm sweep ran
 
     if any(s == results.FAILED for s in _job_statuses + slurm_statuses):
         sys.exit(EXIT_JOB_FAILED)

@@ -51,7 +51,7 @@ def test_slurm_preset_resolves_nodes_per_sweep_point():
     from omegaconf import OmegaConf
 
     from bfexp.config import register_configs
-    from bfexp.slurm import job_parameters, register_plugin
+    from bfexp.launchers.slurm_sweep import job_parameters, register_plugin
 
     register_configs()
     register_plugin()

@@ -1,5 +1,5 @@
 """bfexp's Slurm sweep launcher as a Hydra plugin (Hydra instantiates launchers from
-hydra_plugins only); the work is in bfexp/slurm.py."""
+hydra_plugins only); the work is in bfexp/launchers/slurm_sweep.py."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ class SlurmSweepLauncher(SlurmLauncher):
     """One Slurm job per sweep point, each with the resources its own ranks need."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from bfexp import slurm
+        from bfexp.launchers import slurm_sweep
 
-        return slurm.launch(self, job_overrides, initial_job_idx)
+        return slurm_sweep.launch(self, job_overrides, initial_job_idx)
 
     def __call__(self, config: Any, singleton_state: dict[Any, Any]) -> JobReturn:  # type: ignore[override]
-        from bfexp import slurm
+        from bfexp.launchers import slurm_sweep
 
-        return slurm.run_in_job(self, config, singleton_state)
+        return slurm_sweep.run_in_job(self, config, singleton_state)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """A preempted job is not resubmitted: its ranks would start over."""
