@@ -45,7 +45,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import sys
 import types
 import typing
 import warnings
@@ -118,6 +117,27 @@ def set_flat_grad_(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
         offset += n
 
 
+# Set in an optimizer's __dict__ while its constructors run: they may add attributes (see __setattr__).
+_BUILDING = "_building_now"
+
+
+def _building(init: Callable[..., None]) -> Callable[..., None]:
+    """A DecentralizedOptimizer constructor that marks the object as being built while the outermost one
+    runs (a subclass's __init__ calling its parents' is one construction)."""
+
+    @functools.wraps(init)
+    def __init__(self: "DecentralizedOptimizer", *args: Any, **kwargs: Any) -> None:
+        if _BUILDING in self.__dict__:
+            return init(self, *args, **kwargs)
+        self.__dict__[_BUILDING] = True
+        try:
+            return init(self, *args, **kwargs)
+        finally:
+            del self.__dict__[_BUILDING]
+
+    return __init__
+
+
 class DecentralizedOptimizer(torch.optim.Optimizer):
     """step() = the local update plus the communication the rule needs.
 
@@ -140,9 +160,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     To torch it is an Optimizer (``isinstance``, LR schedulers, step hooks):
     ``param_groups``, ``state`` and ``defaults`` are the local optimizer's own
     (a scheduler that sets the learning rate sets the local optimizer's).
-    Assigning, from outside, an attribute it does not have raises
+    Once built, assigning an attribute it does not have raises
     AttributeError naming it (an option of another rule would otherwise be
-    ignored); its own code may add attributes freely.
+    ignored); its constructors (a subclass's included) may add attributes
+    freely, and so may any code to names starting with ``_``.
     """
 
     # Its label in summaries and messages: the config option's name. A subclass
@@ -174,6 +195,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         super().__init_subclass__(**kwargs)
         if "name" not in vars(cls):
             cls.name = cls.__name__
+        if "__init__" in vars(cls):
+            cls.__init__ = _building(vars(cls)["__init__"])  # type: ignore[method-assign]
 
     def __new__(cls, *args: Any, **options: Any) -> "DecentralizedOptimizer":
         # A misspelt option (stlye="awc") must not run the default: Python's own TypeError
@@ -187,6 +210,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                             f"allowed: {', '.join(params)}")
         return super().__new__(cls)
 
+    @_building
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -267,9 +291,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # opt.self_weight = 0.5 on a rule without one must fail, not be ignored; torch's own (private) and
-        # existing attributes, and whatever the object's own methods set, pass.
-        if not (name.startswith("_") or name in self.__dict__ or hasattr(type(self), name) or _own_code(self)):
+        # opt.self_weight = 0.5 on a rule without one must fail, not be ignored; private names, existing
+        # attributes, and whatever its constructors set, pass.
+        if not (name.startswith("_") or name in self.__dict__ or _BUILDING in self.__dict__
+                or hasattr(type(self), name)):
             from bfexp.config import RUNTIME, signature_schema
 
             options = [k for k in signature_schema(type(self))[0]
@@ -655,12 +680,6 @@ _HOOK_TABLES = (
     "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
 )
-
-
-def _own_code(obj: object) -> bool:
-    """Whether the assignment being made to ``obj`` comes from one of its own methods (``self`` is ``obj``)."""
-    frame = sys._getframe(2)  # _own_code <- __setattr__ <- the assigning code
-    return frame.f_locals.get("self") is obj
 
 
 def _unique(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

@@ -139,6 +139,33 @@ def test_ddp_needs_a_process_per_rank_unless_no_rank_runs():
         cls.check_run(ThreadsEngine, throughput_only=True, modeled=False)
 
 
+def test_a_built_optimizer_refuses_an_attribute_it_does_not_have_but_its_constructors_may_add_any():
+    """A typo (``opt.lrr = 0.1``) would change nothing: refused, naming it and the options. Constructors
+    (a subclass's, before and after its parent's) add attributes freely; nothing reads the caller's frame."""
+    import torch
+
+    from bfexp.comm.threads import ThreadsEngine, ThreadWorld
+
+    class Tagged(DSGD):
+        def __init__(self, *args, tag: str = "t", **kwargs) -> None:
+            self.early = tag  # before the base constructor
+            super().__init__(*args, **kwargs)
+            self.late = tag
+
+        def rename(self) -> None:
+            self.renamed = True  # a method, once built: refused like any other new name
+
+    model = torch.nn.Linear(2, 1)
+    opt = Tagged(torch.optim.SGD(model.parameters(), lr=0.1), ThreadsEngine(ThreadWorld(1), 0), Ring(1), tag="x")
+    assert (opt.early, opt.late) == ("x", "x")
+    with pytest.raises(AttributeError, match=r"^Tagged has no attribute 'lrr', so setting it would change nothing; "
+                                             r"allowed: its options style, communication_period"):
+        opt.lrr = 0.1
+    with pytest.raises(AttributeError, match="'renamed'"):
+        opt.rename()
+    opt.overlap, opt._scratch_note, opt.early = False, 1, "y"  # its options, private names, its attributes
+
+
 # ------------------------------------------------------------------ through the CLI
 def test_cli_runs_exact_diffusion_on_exp2_and_records_what_it_used(bfexp):
     proc = bfexp("algorithm=exact_diffusion", "topology=exp2", "ranks=4", "steps=6", "log_every=3",
