@@ -38,7 +38,7 @@ from bfexp.summary import compute_speed, job_identity, modeled_block, reference_
 from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, RankData
 from bfexp.heterogeneity import Heterogeneity, Pace
-from bfexp.lazy_dynamo import defer_dynamo
+from bfexp.torch_internals import defer_dynamo
 from bfexp.metrics import EvalSchedule, StepTimer, consensus_distance, evaluate, gather_floats, global_mean, held_out
 from bfexp.models import build_model, sample_shape
 from bfexp.timeline import Timeline, span

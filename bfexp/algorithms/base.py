@@ -42,7 +42,6 @@ states about itself, each read before any rank starts:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import types
@@ -53,8 +52,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal
 
 import torch
-import torch.optim.optimizer as _optimizer_module  # its global step hooks (register_optimizer_step_*_hook)
 
+from bfexp import torch_internals
 from bfexp.algorithms.buckets import Bucket, GradBuckets
 from bfexp.comm.engine import Engine, Handle
 from bfexp.costmodel import Traffic
@@ -235,8 +234,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.check_options(communication_period=communication_period, overlap=overlap, bucket_mb=bucket_mb,
                            global_average_every=global_average_every)
         # torch.optim.Optimizer's hook tables (its __init__ would re-group the parameters: not called).
-        for table in _HOOK_TABLES:
-            setattr(self, table, collections.OrderedDict())
+        torch_internals.add_hook_tables(self)
         self.optimizer = optimizer
         self.engine = engine
         if self.uses_topology:
@@ -308,10 +306,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._begin()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        if _optimizer_module._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks:
-            for pre in (*_optimizer_module._global_optimizer_pre_hooks.values(),
-                        *self._optimizer_step_pre_hooks.values()):
-                pre(self, (closure,), {})
+        for pre in torch_internals.step_pre_hooks(self):
+            pre(self, (closure,), {})
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -320,10 +316,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.late_begin()
         self.update(self.communicates_now())
         self.iteration += 1
-        if self._optimizer_step_post_hooks or _optimizer_module._global_optimizer_post_hooks:
-            for post in (*self._optimizer_step_post_hooks.values(),
-                         *_optimizer_module._global_optimizer_post_hooks.values()):
-                post(self, (closure,), {})
+        for post in torch_internals.step_post_hooks(self):
+            post(self, (closure,), {})
         return loss
 
     def state_dict(self) -> dict:
@@ -673,13 +667,6 @@ def _word_options(cls: type[DecentralizedOptimizer]) -> dict[str, tuple[Any, ...
             if typing.get_origin(hint) is Literal:
                 words.setdefault(key, typing.get_args(hint))
     return words
-
-
-# What torch.optim.Optimizer.__init__ would make (its register_*_hook methods fill them).
-_HOOK_TABLES = (
-    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-)
 
 
 def _unique(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
