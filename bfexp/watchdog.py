@@ -358,19 +358,16 @@ def inject(mode: str, engine: Any, step: int) -> None:
     elif mode == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "hang":
-        # Every transport hook of this rank's engine now sleeps: the next communication call never returns.
-        sleep = _sleep_forever(engine)
-        for name in dir(type(engine)):
-            if name.startswith("_post_"):
-                setattr(engine, name, sleep)
+        # The engine runs its fault inside each communication call (Engine.fault): the next one never returns.
+        engine.fault = _sleep_forever(engine)
     else:
         raise RuntimeError(f"injected failure (fail_rank={engine.rank}, fail_step={step})")
 
 
-def _sleep_forever(engine: Any) -> Callable[..., Any]:
+def _sleep_forever(engine: Any) -> Callable[[], None]:
     world = getattr(engine, "world", None)  # virtual ranks wake when the job is aborted
 
-    def sleep(*args: Any, **kwargs: Any) -> Any:
+    def sleep() -> None:
         while True:
             time.sleep(0.1)
             if world is not None:

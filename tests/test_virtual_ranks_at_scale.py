@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bfexp.comm.threads import ThreadWorld, run_threads
+from bfexp.comm.threads import ThreadsEngine, ThreadWorld, run_threads
 from bfexp.topology import Exp2
 from bfexp.watchdog import CHECK_ENV, thread_stacks
 from tests.conftest import REPO
@@ -86,6 +86,26 @@ def test_activity_names_the_call_and_its_call_site_while_it_runs():
     assert seen["allreduce"].endswith(f"{here}:{_line_of('site: blocking')} in rank"), seen
     assert seen["wait(allreduce)"].endswith(f"{here}:{_line_of('site: handle wait')} in rank"), seen
     assert engines[0].activity is None and engines[1].activity is None  # cleared on the way out
+
+
+def test_an_injected_fault_runs_once_inside_each_public_call():
+    """Engine.fault (fail_mode=hang sets one that never returns) runs inside the call, where activity names
+    it, once per communication call (a blocking form calling its nonblocking twin is one call); not in a
+    virtual rank's clock (advance, also a recorded call)."""
+    engine = ThreadsEngine(ThreadWorld(1), 0)
+    seen = []
+
+    def fault():
+        seen.append(engine.activity.op)
+        if len(seen) == 2:
+            raise RuntimeError("injected")
+
+    engine.fault = fault
+    engine.advance(0.1)
+    assert engine.allreduce(torch.ones(2)).tolist() == [1.0, 1.0]
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.broadcast(torch.ones(2))
+    assert seen == ["allreduce", "broadcast"] and engine.activity is None
 
 
 def test_thread_stacks_cuts_faulthandler_text_per_thread():

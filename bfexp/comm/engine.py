@@ -195,8 +195,11 @@ def _call_site(depth: int) -> Any:
 
 def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
     """A public engine operation: while it runs, ``engine.activity`` names it and its call site (the
-    outermost call only: a blocking form that calls its nonblocking twin stays one activity)."""
+    outermost call only: a blocking form that calls its nonblocking twin stays one activity). In the
+    contract's operations (those defined here) an injected ``engine.fault`` runs first, inside the call;
+    an engine's own recorded methods (virtual ranks' clock: ``advance``, ``schedule``) communicate nothing."""
     name = method.__name__
+    communicates = method.__module__ == __name__  # decided once: the normal path reads one attribute
 
     @functools.wraps(method)
     def call(self: "Engine", *args: Any, **kwargs: Any) -> Any:
@@ -205,6 +208,8 @@ def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
         site = sys._getframe(1)
         self.activity = Activity(name, site.f_code, site.f_lineno)
         try:
+            if communicates and self.fault is not None:
+                self.fault()
             return method(self, *args, **kwargs)
         finally:
             self.activity = None
@@ -557,7 +562,11 @@ class Engine(abc.ABC):
     communication: whole blocking calls, plus posting and waiting for
     nonblocking ones; ``bytes_sent`` the bytes it sent (``sent_bytes``).
     ``timeline`` (a bfexp.timeline.Timeline), when set, records every op
-    (name, bytes, peers, start, end) and the time blocked.
+    (name, bytes, peers, start, end) and the time blocked. ``fault`` (a
+    callable, None but in fault injection) runs at the start of every
+    communication operation, inside it: bfexp.watchdog's ``fail_mode=hang``
+    sets one that never returns, so the rank hangs where the hang watchdog
+    looks (its ``activity`` names the op).
     """
 
     name: ClassVar[str]
@@ -577,6 +586,7 @@ class Engine(abc.ABC):
         self.comm_time_s = 0.0  # wall time spent inside blocking comm calls / waits
         # The public call this rank is inside now (None between calls): the hang watchdog reads it.
         self.activity: Activity | None = None
+        self.fault: Callable[[], Any] | None = None  # an injected fault (see the class doc)
         self.bytes_sent = 0  # bytes this rank has put on the wire, as ``sent_bytes`` counts them
         self._blocking_depth = 0
         self._windows: dict[str, Window] = {}
