@@ -167,3 +167,72 @@ def test_one_watch_loop_serves_the_runner_and_bfexp_run():
     callers = sorted(module for module, tree in sources.items() for node in ast.walk(tree)
                      if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "watch")
     assert callers == ["bfexp.launch", "bfexp.launch", "bfexp.run"], callers
+
+
+def torch_private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for every use of a torch private name in a module: an import of one (``import
+    torch._dynamo``, ``from torch.optim.optimizer import _x``); a name starting with ``_`` reached through a
+    torch module or anything imported from one (``torch._C``, ``torch.optim.optimizer._global_...``,
+    ``getattr(torch, "_dynamo")``, ``torch.__dict__.get("_dynamo")``); a module path spelt as a string
+    (``"torch._dynamo"``); and torch.optim.Optimizer's private attributes on any object (bfexp's rules are
+    Optimizers), as attributes or strings (``self._optimizer_step_pre_hooks``, ``setattr(self, "_optimizer_...")``)."""
+    import torch
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    optimizer_names = {n for n in (*dir(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)),
+                                   *vars(torch.optim.Optimizer)) if private(n)}
+    torchy: set[str] = set()  # local names bound to torch or to something imported from it
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    torchy.add(a.asname or "torch")
+                    if any(private(part) for part in a.name.split(".")):
+                        found.append((node.lineno, f"import {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            for a in node.names:
+                torchy.add(a.asname or a.name)
+                if any(private(part) for part in [*node.module.split("."), a.name]):
+                    found.append((node.lineno, f"from {node.module} import {a.name}"))
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, root = [node.attr], node.value
+            while isinstance(root, ast.Attribute):
+                chain.append(root.attr)
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in torchy and any(private(a) for a in chain):
+                found.append((node.lineno, ".".join([root.id, *reversed(chain)])))
+            elif node.attr in optimizer_names:
+                found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Call):  # getattr(torch..., "_x"), torch.__dict__.get("_x")
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            reflective = getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr", "delattr")
+            root = node.args[0] if reflective and node.args else node.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in torchy and any(private(n) for n in names):
+                found.append((node.lineno, f"{ast.unparse(node.func)}({', '.join(map(repr, names))})"))
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                isinstance(node.slice.value, str) and private(node.slice.value):  # torch.__dict__["_x"]
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in torchy:
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings and (
+                node.value in optimizer_names or any(private(p) for p in node.value.split(".")[1:2])
+                and node.value.split(".")[0] == "torch"):
+            found.append((node.lineno, repr(node.value)))
+    return sorted(set(found))
+
+
+def test_only_torch_internals_touches_torch_private_names():
+    """torch may rename a name starting with `_` in any release: bfexp's uses of them live in
+    bfexp.torch_internals alone, where tests/test_torch_internals.py checks each against torch."""
+    found = [f"{module}:{line} {what}" for module, tree in _sources().items() if module != "bfexp.torch_internals"
+             for line, what in torch_private_uses(tree)]
+    assert found == [], f"torch private names outside bfexp.torch_internals: {found}"
