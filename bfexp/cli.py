@@ -138,7 +138,7 @@ def dry_build(cfg: Any, launcher: Any = None) -> list[str]:
     from bfexp.watchdog import PROCESS_ONLY_MODES
     from bfexp.scaling import declared_speed, missing_speed_message
     from bfexp.topology import build_topology
-    from bfexp.lazy_dynamo import defer_dynamo
+    from bfexp.torch_internals import defer_dynamo
     from bfexp.config import job_kind
     from bfexp.summary import topology_ranks_per_machine
 

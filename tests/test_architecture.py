@@ -161,6 +161,18 @@ def test_statuses_are_said_in_one_place():
     assert found == [], f"status words spelt outside bfexp.results: {found}"
 
 
+def test_launch_is_supervision_only_and_no_function_is_long():
+    """launch.py keeps supervision (one watch loop) under 400 lines; no function or method in bfexp/ runs
+    over 80 lines (a long one is several jobs: name them)."""
+    assert len((PACKAGE / "launch.py").read_text().splitlines()) < 400
+    long = []
+    for module, tree in _sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{module}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == [], f"functions over 80 lines: {long}"
+
+
 def test_one_watch_loop_serves_the_runner_and_bfexp_run():
     """MPI ranks, virtual ranks and `bfexp-run` are watched by launch.watch; nothing else polls ranks in a loop."""
     sources = _sources()
