@@ -60,6 +60,10 @@ def quiet_barrier(engine: Engine) -> None:
     handle.wait()
 
 
+# How often the baseline probe asks whether the job was asked to stop (in steps).
+STOP_CHECK_STEPS = 25
+
+
 def timed(engine: Engine, run_one: Callable[[], Any], steps: int, warmup: int = 2, cuda: bool = False) -> StepTimer:
     """Run ``warmup + steps`` steps under a StepTimer (engine-counted blocked time included)."""
     timer = StepTimer(warmup=warmup, cuda=cuda)
@@ -341,10 +345,14 @@ def baseline_probe(
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
     next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     steps: int,
-) -> list[float]:
+    stop: Callable[[], bool] | None = None,
+) -> tuple[list[float], int]:
     """``steps`` timed steps of the allreduce baseline (its defaults: overlapped with
     backward, every step) on a fresh copy of the model. Collective. Returns this
-    rank's step and blocked seconds (scaling.rank_timing: medians and intervals)."""
+    rank's step and blocked seconds (scaling.rank_timing: medians and intervals), and
+    the steps timed: fewer when ``stop()`` (collective: the ranks agree), asked every
+    STOP_CHECK_STEPS steps, says the job was asked to stop (a signal while the
+    results are measured ends the job promptly)."""
     from bfexp.algorithms import Allreduce
 
     probe = make_model()
@@ -355,9 +363,14 @@ def baseline_probe(
         x, y = next_batch()
         step(probe, optimizer, x, y, dtype)
 
-    timer = timed(engine, one, steps, cuda=next(probe.parameters()).is_cuda)
+    timer = timed(engine, one, min(steps, STOP_CHECK_STEPS), cuda=next(probe.parameters()).is_cuda)
+    while len(timer.step_samples) < steps and not (stop is not None and stop()):
+        for _ in range(min(STOP_CHECK_STEPS, steps - len(timer.step_samples))):
+            timer.start(engine)
+            one()
+            timer.stop(engine)
     optimizer.close()  # completes what is in flight, releases its hooks
-    return scaling.rank_timing(timer.step_samples, timer.blocked_samples)
+    return scaling.rank_timing(timer.step_samples, timer.blocked_samples), len(timer.step_samples)
 
 
 # ---------------------------------------------------------------- communication only

@@ -227,6 +227,11 @@ class Training:
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.started
 
+    def stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (collective: every rank gets the same answer)."""
+        [flags] = gather_floats(self.engine, self.checkpoints.stop_requested())
+        return any(flag > 0 for flag in flags)
+
     def stopped(self, at: int) -> str:
         return f"stopped at step {at} ({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {at}"
 
@@ -347,7 +352,8 @@ class Training:
         if status == results.INTERRUPTED:  # stopped to be resumed: the run that finishes it measures the figures
             summary["checkpoint_step"] = step
         else:
-            summary.update(job_figures(cfg, engine, job, batch, timer, self.single.finish(timer.step_samples)))
+            summary.update(job_figures(cfg, engine, job, batch, timer, self.single.finish(timer.step_samples),
+                                       stop=self.stop_agreed))
             mark(engine, "scaling figures: reference rounds left, baseline probe")
         return summary
 
@@ -449,9 +455,11 @@ def reference(cfg: Any, engine: Engine, job: Built, batches: Callable[[], tuple[
     return single
 
 
-def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTimer, single: dict) -> dict:
+def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTimer, single: dict,
+                stop: Callable[[], bool] | None = None) -> dict:
     """Every scaling figure of a finished training job, each with its interval. Collective: every
-    rank calls it; rank 0 gets the full dict (the others get the measured part)."""
+    rank calls it; rank 0 gets the full dict (the others get the measured part). ``stop()``
+    (collective): whether the job was asked to stop meanwhile, which cuts the baseline probe short."""
     n = engine.size
     timing = scaling.split_timing(*gather_floats(engine, *scaling.rank_timing(timer.step_samples, timer.blocked_samples)))
     probe_sampler = BatchSampler(job.data, cfg.batch_size, cfg.seed + 1, engine.rank)
@@ -462,15 +470,16 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
 
     own = is_baseline(cfg) or n == 1  # one rank: nothing to communicate, its own baseline
     baseline_timing = timing if own else None
+    probed = int(cfg.baseline_steps)
     if not own and cfg.baseline_steps > 0:
-        probe = probes.baseline_probe(engine, train_step, job.make_model, job.make_optimizer, next_batch,
-                                      int(cfg.baseline_steps))
+        probe, probed = probes.baseline_probe(engine, train_step, job.make_model, job.make_optimizer, next_batch,
+                                              int(cfg.baseline_steps), stop)
         baseline_timing = scaling.split_timing(*gather_floats(engine, *probe))
     single_step = scaling.get(single, "step_time_s")
     measured = scaling.measured_figures(n, batch, timing, single_step, baseline_timing, own_baseline=own,
                                         source=scaling.measured_source(virtual=engine.virtual))
     if not is_baseline(cfg):
-        measured["baseline_steps"] = int(cfg.baseline_steps)
+        measured["baseline_steps"] = probed  # baseline_steps, or fewer when a stop signal came meanwhile
     modeled = None
     if engine.rank == 0:
         params = list(job.model.parameters())

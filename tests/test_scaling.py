@@ -467,3 +467,35 @@ def test_virtual_ranks_headline_the_model_beside_the_measurement(bfexp, tmp_path
     check_figures(s)
     assert {k: s[k] for k in FIGURES} == {k: s["modeled"][k] for k in FIGURES}
     check_figures({**s["measured"], "ranks": 4, "batch_size": s["batch_size"]})
+
+
+def test_a_stop_request_cuts_the_baseline_probe_short():
+    """A stop signal while the results are measured: the baseline probe asks every STOP_CHECK_STEPS steps
+    (the ranks agree) and stops there, so the job ends promptly; unasked, it runs its steps."""
+    import torch
+
+    from bfexp.comm.threads import run_threads
+    from bfexp.probes import STOP_CHECK_STEPS, baseline_probe
+    from bfexp.worker import train_step
+
+    def rank(engine):
+        asked = []
+
+        def stop() -> bool:  # the same answer on every rank: no at the first ask, yes at the second
+            asked.append(1)
+            return len(asked) >= 2
+
+        def batch():
+            return torch.randn(8, 4), torch.randint(0, 2, (8,))
+
+        def model():
+            return torch.nn.Linear(4, 2)
+
+        def optimizer(params):
+            return torch.optim.SGD(params, lr=0.1)
+
+        cut = baseline_probe(engine, train_step, model, optimizer, batch, 10 * STOP_CHECK_STEPS, stop)[1]
+        whole = baseline_probe(engine, train_step, model, optimizer, batch, STOP_CHECK_STEPS + 3)[1]
+        return cut, whole, len(asked)
+
+    assert run_threads(2, rank) == [(2 * STOP_CHECK_STEPS, STOP_CHECK_STEPS + 3, 2)] * 2
