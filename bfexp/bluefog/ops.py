@@ -28,6 +28,7 @@ Differences that a program can notice (README "Coming from BlueFog"):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 import networkx as nx
 import torch
 
+from bfexp import api
 from bfexp.bluefog import topology_util
 from bfexp.comm.engine import Engine, Handle
 
@@ -76,8 +78,6 @@ _states_lock = threading.Lock()
 
 def initialized_engine() -> Engine:
     """The current bfexp engine (this virtual rank's, or the process's), once bf.init() has run here."""
-    from bfexp import api
-
     engine = api.engine() if api.is_initialized() else None
     if engine is None or engine not in _states:
         raise ValueError("BlueFog has not been initialized; use bf.init()")
@@ -96,8 +96,6 @@ def init(topology_fn: Callable[[int], nx.DiGraph] | None = None, is_weighted: bo
 
     ``topology_fn(size)`` builds the topology; default: ExponentialGraph(size).
     """
-    from bfexp import api
-
     engine = api.init()
     with _states_lock:
         _states.setdefault(engine, _RankState())  # init again keeps the windows and handles
@@ -107,8 +105,6 @@ def init(topology_fn: Callable[[int], nx.DiGraph] | None = None, is_weighted: bo
 
 def shutdown() -> None:
     """Stop this rank's BlueFog state and its engine (bfexp.api.shutdown)."""
-    from bfexp import api
-
     if not api.is_initialized():
         return
     engine = api.engine()
@@ -117,29 +113,27 @@ def shutdown() -> None:
     api.shutdown()
 
 
-def size() -> int:
-    return initialized_engine().size
+def _after_init(accessor: Callable[[], int], doc: str | None = None) -> Callable[[], int]:
+    """bfexp.api's ``accessor`` under BlueFog's rule that bf.init() comes first (api's would start an engine)."""
+
+    @functools.wraps(accessor)
+    def bluefog_accessor() -> int:
+        initialized_engine()
+        return accessor()
+
+    bluefog_accessor.__module__ = __name__
+    if doc is not None:
+        bluefog_accessor.__doc__ = doc
+    return bluefog_accessor
 
 
-def rank() -> int:
-    return initialized_engine().rank
-
-
-def local_size() -> int:
-    """Ranks on this rank's machine (bfexp: ranks per machine, the same on every machine)."""
-    return initialized_engine().local_size
-
-
-def local_rank() -> int:
-    return initialized_engine().local_rank
-
-
-def machine_size() -> int:
-    return initialized_engine().machines
-
-
-def machine_rank() -> int:
-    return initialized_engine().machine
+size = _after_init(api.size)
+rank = _after_init(api.rank)
+local_size = _after_init(
+    api.local_size, "Ranks on this rank's machine (bfexp: ranks per machine, the same on every machine).")
+local_rank = _after_init(api.local_rank)
+machine_size = _after_init(api.machine_size)
+machine_rank = _after_init(api.machine_rank)
 
 
 def is_homogeneous() -> bool:
