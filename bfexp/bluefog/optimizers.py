@@ -323,35 +323,29 @@ def DistributedAdaptThenCombineOptimizer(  # noqa: N802
     return _reduce(_AdaptThenCombine, optimizer, model, communication_type, num_steps_per_communication)
 
 
-def _deprecated(new: str) -> None:
-    warnings.warn(f"deprecated in BlueFog; use {new}", PendingDeprecationWarning, stacklevel=3)
+def _older_name(name: str, communication_type: CommunicationType, doc: str) -> Callable[..., Any]:
+    """BlueFog's older (deprecated) ``name`` for adapt-with-combine over ``communication_type``."""
+
+    def older(optimizer: torch.optim.Optimizer, model: Any, num_steps_per_communication: int = 1) -> Any:
+        warnings.warn(
+            "deprecated in BlueFog; use DistributedAdaptWithCombineOptimizer(opt, model, "
+            f"CommunicationType.{communication_type.name})", PendingDeprecationWarning, stacklevel=2)
+        return DistributedAdaptWithCombineOptimizer(optimizer, model, communication_type, num_steps_per_communication)
+
+    older.__name__ = older.__qualname__ = name
+    older.__doc__ = doc
+    return older
 
 
-def DistributedNeighborAllreduceOptimizer(  # noqa: N802
-    optimizer: torch.optim.Optimizer, model: Any, num_steps_per_communication: int = 1
-) -> Any:
-    """Adapt-with-combine over neighbor_allreduce (BlueFog's older name)."""
-    _deprecated("DistributedAdaptWithCombineOptimizer(opt, model, CommunicationType.neighbor_allreduce)")
-    return DistributedAdaptWithCombineOptimizer(
-        optimizer, model, CommunicationType.neighbor_allreduce, num_steps_per_communication)
-
-
-def DistributedHierarchicalNeighborAllreduceOptimizer(  # noqa: N802
-    optimizer: torch.optim.Optimizer, model: Any, num_steps_per_communication: int = 1
-) -> Any:
-    """Adapt-with-combine over hierarchical_neighbor_allreduce (BlueFog's older name)."""
-    _deprecated("DistributedAdaptWithCombineOptimizer(opt, model, CommunicationType.hierarchical_neighbor_allreduce)")
-    return DistributedAdaptWithCombineOptimizer(
-        optimizer, model, CommunicationType.hierarchical_neighbor_allreduce, num_steps_per_communication)
-
-
-def DistributedAllreduceOptimizer(  # noqa: N802
-    optimizer: torch.optim.Optimizer, model: Any, num_steps_per_communication: int = 1
-) -> Any:
-    """Adapt-with-combine over an allreduce of the parameters (BlueFog's older name)."""
-    _deprecated("DistributedAdaptWithCombineOptimizer(opt, model, CommunicationType.allreduce)")
-    return DistributedAdaptWithCombineOptimizer(
-        optimizer, model, CommunicationType.allreduce, num_steps_per_communication)
+DistributedNeighborAllreduceOptimizer = _older_name(
+    "DistributedNeighborAllreduceOptimizer", CommunicationType.neighbor_allreduce,
+    "Adapt-with-combine over neighbor_allreduce (BlueFog's older name).")
+DistributedHierarchicalNeighborAllreduceOptimizer = _older_name(
+    "DistributedHierarchicalNeighborAllreduceOptimizer", CommunicationType.hierarchical_neighbor_allreduce,
+    "Adapt-with-combine over hierarchical_neighbor_allreduce (BlueFog's older name).")
+DistributedAllreduceOptimizer = _older_name(
+    "DistributedAllreduceOptimizer", CommunicationType.allreduce,
+    "Adapt-with-combine over an allreduce of the parameters (BlueFog's older name).")
 
 
 # ------------------------------------------------------------------ gradient allreduce
