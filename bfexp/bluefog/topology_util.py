@@ -14,7 +14,7 @@ have no bfexp twin and are circulants here. The dynamic generators yield
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import networkx as nx
 import numpy as np
@@ -125,26 +125,25 @@ def _weight(topo: nx.DiGraph, u: int, v: int) -> float:
     return float(topo[u][v].get("weight", 1.0))
 
 
+def _self_and_neighbors(rank: int, weights: Iterable[tuple[int, float]]) -> tuple[float, dict[int, float]]:
+    """(the self loop's weight or 0, {neighbor: weight}) from (other end, weight) of ``rank``'s edges."""
+    self_weight, neighbors = 0.0, {}
+    for other, w in weights:
+        if other == rank:
+            self_weight = w
+        else:
+            neighbors[int(other)] = w
+    return self_weight, neighbors
+
+
 def GetRecvWeights(topo: nx.DiGraph, rank: int) -> tuple[float, dict[int, float]]:
     """(self weight, {in-neighbor: weight}) that ``rank`` gives what it receives, read off the graph."""
-    self_weight, neighbors = 0.0, {}
-    for src in topo.predecessors(rank):
-        if src == rank:
-            self_weight = _weight(topo, rank, rank)
-        else:
-            neighbors[int(src)] = _weight(topo, src, rank)
-    return self_weight, neighbors
+    return _self_and_neighbors(rank, ((src, _weight(topo, src, rank)) for src in topo.predecessors(rank)))
 
 
 def GetSendWeights(topo: nx.DiGraph, rank: int) -> tuple[float, dict[int, float]]:
     """(self weight, {out-neighbor: weight}) on ``rank``'s outgoing edges."""
-    self_weight, neighbors = 0.0, {}
-    for dst in topo.successors(rank):
-        if dst == rank:
-            self_weight = _weight(topo, rank, rank)
-        else:
-            neighbors[int(dst)] = _weight(topo, rank, dst)
-    return self_weight, neighbors
+    return _self_and_neighbors(rank, ((dst, _weight(topo, rank, dst)) for dst in topo.successors(rank)))
 
 
 def IsTopologyEquivalent(topo1: nx.DiGraph | None, topo2: nx.DiGraph | None) -> bool:
