@@ -555,6 +555,13 @@ class Plotter:
         ax.set_xlabel("ranks")
         ax.grid(True, alpha=0.3)
 
+    def log_axes(self, ax, **props: str) -> None:
+        """A job-curve figure's axes: ``props`` (one axis's log scale, the labels, the title), a grid on the
+        minor ticks too, and the legend."""
+        ax.set(**props)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+
     def draw_series(self, ax, label: str, per_ranks: dict[int, list[scaling.Spread]], suffix: str = "",
                     several: str = "mean of repeats", **style: Any) -> list[float]:
         """One curve with error bars: each job's interval (``several`` jobs at one x: their mean, from the
@@ -702,13 +709,8 @@ class Plotter:
                 "every completed job kept identical models (consensus distance 0 at every logged step)."
                 if zero else "no completed job logged consensus_distance."))
             return
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("consensus distance: mean ‖x_i − x̄‖² over ranks")
-        ax.set_title("Consensus distance vs step (log scale)")
-        ax.grid(True, which="both", alpha=0.3)
-        if drawn:
-            ax.legend(fontsize=8)
+        self.log_axes(ax, yscale="log", xlabel="step", ylabel="consensus distance: mean ‖x_i − x̄‖² over ranks",
+                      title="Consensus distance vs step (log scale)")
         note = ""
         if zero:
             note = "Not drawn (zero at every logged step: all ranks hold the same model): " + "; ".join(zero[:4])
@@ -737,12 +739,9 @@ class Plotter:
         if not drawn:
             self.notes.append("No accuracy-vs-bytes plot: no completed job logged bytes_sent above 0.")
             return
-        ax.set_xscale("log")
-        ax.set_xlabel("bytes sent per rank (cumulative, compressed as sent)")
-        ax.set_ylabel("held-out accuracy (fraction, mean over ranks)")
-        ax.set_title("Accuracy vs bytes sent (log scale); a dot marks each run's end")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        self.log_axes(ax, xscale="log", xlabel="bytes sent per rank (cumulative, compressed as sent)",
+                      ylabel="held-out accuracy (fraction, mean over ranks)",
+                      title="Accuracy vs bytes sent (log scale); a dot marks each run's end")
         self.footnote(fig, "Not drawn (sent nothing): " + "; ".join(silent[:4]) if silent else "")
         self.save(fig, "accuracy_vs_bytes.png")
 
