@@ -132,7 +132,7 @@ def dry_build(cfg: Any, launcher: Any = None) -> list[str]:
 
     from bfexp.assembly import resolve
     from bfexp.comm import engine_class
-    from bfexp.config import ConfigError, build, check_node, check_optimizer_options, label, launcher_of
+    from bfexp.config import RUNTIME, ConfigError, build, check_node, check_optimizer_options, label, launcher_of
     from bfexp.preflight import check_memory
     from bfexp.models import parameter_count, sample_shape
     from bfexp.watchdog import PROCESS_ONLY_MODES
@@ -159,6 +159,7 @@ def dry_build(cfg: Any, launcher: Any = None) -> list[str]:
     algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
     algorithm.check_options(**options)
     if not modeled:
+        check_node(cfg.engine, "engine", runtime=RUNTIME["engine"])  # mpi, nccl: their class, now torch is here
         engine = engine_class(cfg.engine.name)
         algorithm.check_run(engine, throughput_only=bool(cfg.throughput_only), modeled=modeled)
         if cfg.fail_rank is not None and cfg.fail_mode in PROCESS_ONLY_MODES and engine.virtual:

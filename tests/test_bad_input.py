@@ -104,6 +104,7 @@ CASES = [
     ("engine-option", ["engine=nosuch"], ["engine=nosuch", "threads"]),
     ("engine-rpm", ["engine.ranks_per_machine=3"], ["engine.ranks_per_machine=3", "divisor"]),
     ("engine-slots", ["engine.slots_factor=0"], ["engine.slots_factor=0", "> 0"]),
+    ("engine-mpi-unknown-key", ["engine=mpi", "+engine.foo=1"], ["unknown key 'engine.foo'", "allowed: ranks_per_machine"]),
     ("scaling-fraction", ["scaling.backward_fraction=2"], ["scaling.backward_fraction=2", "a number in [0, 1]"]),
     ("scaling-steps", ["scaling.reference_steps=0"], ["scaling.reference_steps=0", ">= 1"]),
     ("scaling-bandwidth", ["scaling.intra_bandwidth_gbyte_per_s=0"], ["scaling.intra_bandwidth_gbyte_per_s=0"]),
