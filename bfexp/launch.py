@@ -42,7 +42,7 @@ from typing import Any, Callable, Protocol
 
 from omegaconf import OmegaConf
 
-from bfexp import checkpoint, results, summary as summaries, watchdog
+from bfexp import checkpoint, config, results, summary as summaries, watchdog
 from bfexp.config import job_kind, launcher_of
 from bfexp.launchers import Launcher
 from bfexp.preflight import check_engine, resolve_engine
@@ -237,7 +237,8 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
 
     tail = results.JsonlTail(run_dir / results.METRICS)
     timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
-    world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir)
+    engine = config.build({**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}, "engine")  # (world, rank)
+    world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir, engine=engine)
     watch_ranks = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: live_heartbeats(run_dir), processes=False)
 
     def rank_main(engine: Any) -> dict:  # every rank reads the config the driver wrote, as an MPI rank does

@@ -54,6 +54,7 @@ ENGINE_MODULE = '''
 from pathlib import Path
 
 from bfexp.comm.mpi import MPIEngine
+from bfexp.comm.threads import ThreadsEngine
 
 
 class NotingMPI(MPIEngine):
@@ -61,6 +62,18 @@ class NotingMPI(MPIEngine):
 
     def __init__(self, note: str = "engine", **options) -> None:
         super().__init__(**options)
+        self.note = note
+
+    def close(self) -> None:
+        Path(f"{self.note}.rank{self.rank}").write_text(f"{type(self).__name__} {self.bytes_sent}")
+        super().close()
+
+
+class NotingThreads(ThreadsEngine):
+    """The same for virtual ranks: a subclass of the threads engine, built once per rank thread."""
+
+    def __init__(self, world, rank, note: str = "engine", **options) -> None:
+        super().__init__(world, rank, **options)
         self.note = note
 
     def close(self) -> None:
@@ -79,6 +92,15 @@ _target_: mycomm.NotingMPI
 note: engine
 """
 
+THREADS_ENGINE_YAML = """\
+defaults:
+  - threads
+  - _self_
+
+_target_: mycomm.NotingThreads
+note: engine
+"""
+
 SMALL = ["--config-dir", "myconf", "engine=threads", "ranks=4", "steps=6", "log_every=3", "model=mlp",
          "dataset=digits", "baseline_steps=0", "report=false"]
 
@@ -91,6 +113,7 @@ def user_project(bfexp):
     (bfexp.cwd / "myconf" / "algorithm" / "compressor" / "strided.yaml").write_text(COMPRESSOR_YAML)
     (bfexp.cwd / "myconf" / "engine").mkdir()
     (bfexp.cwd / "myconf" / "engine" / "noting_mpi.yaml").write_text(ENGINE_YAML)
+    (bfexp.cwd / "myconf" / "engine" / "noting_threads.yaml").write_text(THREADS_ENGINE_YAML)
     return bfexp
 
 
@@ -138,3 +161,18 @@ def test_user_engine_carries_the_ranks_of_a_job(user_project):
     for rank in range(2):
         cls, sent = (user_project.cwd / f"noted.rank{rank}").read_text().split()
         assert cls == "NotingMPI" and int(sent) > 0
+
+
+def test_user_threads_engine_runs_every_virtual_rank(user_project):
+    """engine=noting_threads: the user's subclass of the threads engine with its own option; every virtual
+    rank's thread runs on it (the driver builds it from the job's engine node)."""
+    note = user_project.cwd / "noted"
+    proc = user_project("--config-dir", "myconf", "engine=noting_threads", f"engine.note={note}", "ranks=3",
+                        "steps=6", "log_every=3", "baseline_steps=0", "scaling.reference_cache=null",
+                        "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    summary = json.loads((user_project.cwd / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["engine"] == "threads" and summary["ranks"] == 3
+    for rank in range(3):
+        cls, sent = (user_project.cwd / f"noted.rank{rank}").read_text().split()
+        assert cls == "NotingThreads" and int(sent) > 0

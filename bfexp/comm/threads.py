@@ -133,8 +133,11 @@ class ThreadWorld(Rendezvous):
     def __init__(
         self, size: int, ranks_per_machine: int = 0, poll_s: float = POLL_S, timeline_dir: Path | None = None,
         one_at_a_time: bool = False, running: int | None = None,
+        engine: Callable[["ThreadWorld", int], "ThreadsEngine"] | None = None,
     ) -> None:
         super().__init__(size, ranks_per_machine, poll_s, running=running_slots() if running is None else running)
+        # What each rank's thread runs on: ThreadsEngine, or the job's engine class (a user's subclass) with its options.
+        self.make_engine = engine or ThreadsEngine
         # Each rank's Chrome trace goes to <timeline_dir>/rank<N>.json (else $BFEXP_TIMELINE, as on MPI).
         self.timeline_dir = timeline_dir
         # Each rank's torch, numpy and Python global RNG states while another rank has the turn (module doc).
@@ -168,7 +171,7 @@ class ThreadWorld(Rendezvous):
 
     def _run_rank(self, rank: int, target: Callable, on_error: Callable | None) -> None:
         _current.rank = rank
-        engine = ThreadsEngine(self, rank)
+        engine = self.make_engine(self, rank)
         try:
             self.start_running(rank)
             self.results[rank] = target(engine)
