@@ -24,7 +24,7 @@ run: install
 WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not soak"
+	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not soak and not large"
 
 clean:
 	rm -rf $(VENV) outputs multirun

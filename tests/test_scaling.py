@@ -352,16 +352,22 @@ def test_scaling_sweep_on_the_default_experiment(bfexp, tmp_path):
         assert drawn[ranks] == pytest.approx((low, high), rel=1e-9)
 
 
-def test_one_rank_jobs_of_every_algorithm_score_one(bfexp, monkeypatch, tmp_path):
+@pytest.mark.parametrize("which", [
+    "dsgd,allreduce",  # make test: a decentralized rule and the baseline
+    pytest.param("every", marks=pytest.mark.large),  # .ci/run: all of them (45 jobs, a minute or two)
+])
+def test_one_rank_jobs_of_every_algorithm_score_one(bfexp, monkeypatch, tmp_path, which):
     """ranks=1 at the defaults: a 1-rank job is its own reference (its own training steps, same
     wrapper, same engine), so every algorithm scores 1 with its steps' interval, and its framework
     overhead is measured against plain torch steps timed between its own. Three repeats (seeds)."""
     monkeypatch.setenv("BFEXP_CACHE_DIR", str(tmp_path / "cache"))
-    algorithms = sorted(group_options("algorithm"))
+    algorithms = sorted(group_options("algorithm")) if which == "every" else sorted(which.split(","))
     # One rank in the driver's process (virtual) for every wrapper that runs there, one MPI process for ddp
     # (torch.distributed needs one): the same step and the same 1-rank reference, without 36 process starts.
     in_process = [a for a in algorithms if a != "ddp"]
     for engine, names, sweep in (("threads", in_process, "sweep"), ("mpi", ["ddp"], "sweep_ddp")):
+        if not set(names) <= set(algorithms):
+            continue
         proc = bfexp("-m", f"algorithm={','.join(names)}", "seed=0,1,2", "ranks=1", f"engine={engine}",
                      "report=false", f"hydra.sweep.dir={sweep}", timeout=900)
         assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]

@@ -31,7 +31,8 @@ def slurm_missing() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(slurm_missing() is not None, reason=str(slurm_missing()))
+MISSING = slurm_missing()  # asked once: sinfo takes seconds to say that no controller answers
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 SMALL = ["steps=10", "log_every=5", "baseline_steps=0"]
 TIMEOUT_S = 600
