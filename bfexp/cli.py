@@ -33,10 +33,10 @@ PHASES = results.Phases("driver", results.process_started_at())
 
 
 def group_options(group: str) -> list[str]:
-    """Options of a config group (bfexp.config.group_options), imported when asked: the CLI starts light."""
-    from bfexp.config import group_options as shipped
+    """Options of a config group (bfexp.conf.options: the standard library only, so the CLI starts light)."""
+    from bfexp.conf import options
 
-    return shipped(group)
+    return options(group)
 
 
 HELP = """\

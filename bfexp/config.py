@@ -73,10 +73,9 @@ def node_options(node: Any) -> dict[str, Any]:
 
 def group_options(group: str) -> list[str]:
     """The options shipped in a config group (``engine``, ``algorithm/compressor``, ...): its YAML names, sorted."""
-    from importlib import resources
+    from bfexp.conf import options
 
-    folder = resources.files("bfexp.conf").joinpath(*group.split("/"))
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return options(group)
 
 
 _compose_lock = threading.Lock()

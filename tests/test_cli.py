@@ -51,3 +51,16 @@ def test_cfg_job_and_help_import_neither_torch_nor_mpi4py():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
     assert "algorithm:" in proc.stdout and "ranks: 4" in proc.stdout
+
+
+def test_help_reads_the_options_without_hydras_machinery():
+    """`bfexp --help` lists the groups' options from the package's files: it imports neither torch nor
+    bfexp.config (Hydra's instantiation, the components' schema), so it answers at once."""
+    code = (
+        "import sys; sys.argv=['bfexp','--help']; import bfexp.cli as c\n"
+        "try:\n    c.main()\nexcept SystemExit:\n    pass\n"
+        "print('LOADED', [m for m in ('torch', 'bfexp.config', 'hydra.utils') if m in sys.modules])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "LOADED []" in proc.stdout, proc.stdout + proc.stderr
+    assert "exact_diffusion" in proc.stdout
