@@ -150,29 +150,19 @@ def test_user_compressor_by_name_is_refused_naming_the_way_to_pick_it(user_proje
     assert "algorithm.compressor=strided; allowed: cast, identity" in line and "algorithm/compressor=NAME" in line
 
 
-def test_user_engine_carries_the_ranks_of_a_job(user_project):
-    """engine=noting_mpi: the user's subclass of the MPI engine, with its own option, on real MPI ranks."""
+@pytest.mark.parametrize("option, engine, ranks, cls", [
+    ("noting_mpi", "mpi", 2, "NotingMPI"),  # the user's subclass of the MPI engine, on real MPI ranks
+    ("noting_threads", "threads", 3, "NotingThreads"),  # of the threads engine: every virtual rank runs on it
+])
+def test_user_engine_carries_the_ranks_of_a_job(user_project, option, engine, ranks, cls):
+    """engine=<the user's option>: the user's engine class with an option of its own carries every rank."""
     note = user_project.cwd / "noted"
-    proc = user_project("--config-dir", "myconf", "engine=noting_mpi", f"engine.note={note}", "ranks=2", "steps=10",
-                        "log_every=5", "baseline_steps=0", "scaling.reference_cache=null", "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
-    summary = json.loads((user_project.cwd / "run" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["engine"] == "mpi" and summary["ranks"] == 2
-    for rank in range(2):
-        cls, sent = (user_project.cwd / f"noted.rank{rank}").read_text().split()
-        assert cls == "NotingMPI" and int(sent) > 0
-
-
-def test_user_threads_engine_runs_every_virtual_rank(user_project):
-    """engine=noting_threads: the user's subclass of the threads engine with its own option; every virtual
-    rank's thread runs on it (the driver builds it from the job's engine node)."""
-    note = user_project.cwd / "noted"
-    proc = user_project("--config-dir", "myconf", "engine=noting_threads", f"engine.note={note}", "ranks=3",
+    proc = user_project("--config-dir", "myconf", f"engine={option}", f"engine.note={note}", f"ranks={ranks}",
                         "steps=6", "log_every=3", "baseline_steps=0", "scaling.reference_cache=null",
                         "hydra.run.dir=run")
     assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
     summary = json.loads((user_project.cwd / "run" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["engine"] == "threads" and summary["ranks"] == 3
-    for rank in range(3):
-        cls, sent = (user_project.cwd / f"noted.rank{rank}").read_text().split()
-        assert cls == "NotingThreads" and int(sent) > 0
+    assert summary["status"] == "completed" and summary["engine"] == engine and summary["ranks"] == ranks
+    for rank in range(ranks):
+        made, sent = (user_project.cwd / f"noted.rank{rank}").read_text().split()
+        assert made == cls and int(sent) > 0
