@@ -64,10 +64,13 @@ def quiet_barrier(engine: Engine) -> None:
 STOP_CHECK_STEPS = 25
 
 
-def timed(engine: Engine, run_one: Callable[[], Any], steps: int, warmup: int = 2, cuda: bool = False) -> StepTimer:
-    """Run ``warmup + steps`` steps under a StepTimer (engine-counted blocked time included)."""
-    timer = StepTimer(warmup=warmup, cuda=cuda)
-    for _ in range(steps + warmup):
+def timed(engine: Engine, run_one: Callable[[], Any], steps: int, warmup: int = 2, cuda: bool = False,
+          timer: StepTimer | None = None) -> StepTimer:
+    """Run ``warmup + steps`` steps under a StepTimer (engine-counted blocked time included); given the
+    ``timer`` of earlier steps, ``steps`` more under it (its warm-up is done)."""
+    more = steps if timer is not None else steps + warmup
+    timer = timer if timer is not None else StepTimer(warmup=warmup, cuda=cuda)
+    for _ in range(more):
         timer.start(engine)
         run_one()
         timer.stop(engine)
@@ -365,10 +368,7 @@ def baseline_probe(
 
     timer = timed(engine, one, min(steps, STOP_CHECK_STEPS), cuda=next(probe.parameters()).is_cuda)
     while len(timer.step_samples) < steps and not (stop is not None and stop()):
-        for _ in range(min(STOP_CHECK_STEPS, steps - len(timer.step_samples))):
-            timer.start(engine)
-            one()
-            timer.stop(engine)
+        timed(engine, one, min(STOP_CHECK_STEPS, steps - len(timer.step_samples)), timer=timer)
     optimizer.close()  # completes what is in flight, releases its hooks
     return scaling.rank_timing(timer.step_samples, timer.blocked_samples), len(timer.step_samples)
 
