@@ -248,3 +248,17 @@ def test_only_torch_internals_touches_torch_private_names():
     found = [f"{module}:{line} {what}" for module, tree in _sources().items() if module != "bfexp.torch_internals"
              for line, what in torch_private_uses(tree)]
     assert found == [], f"torch private names outside bfexp.torch_internals: {found}"
+
+
+def test_a_wheel_ships_every_package():
+    """pyproject's package list names every package folder: a wheel (or `pip install .`) ships only
+    those, while the editable install of `make` finds any folder, so a missing one fails only for users
+    (bfexp.launchers was missing: a wheel install failed at `import bfexp.launchers`)."""
+    import tomllib
+
+    root = PACKAGE.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(init.parent.relative_to(root).parts)
+               for top in ("bfexp", "hydra_plugins") for init in (root / top).rglob("__init__.py")}
+    folders.add("bfexp.conf")  # conf/ at the top, shipped as bfexp.conf (package-dir)
+    assert listed == folders, {"not listed": sorted(folders - listed), "listed, no folder": sorted(listed - folders)}
