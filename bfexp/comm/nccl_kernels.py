@@ -35,23 +35,34 @@ KINDS = {
 VECTORS = {"float32": ("float4", 4), "float64": ("double2", 2)}
 BLOCK = 256
 
-_CONVERSIONS = r"""
+# 16-bit <-> float32 conversions, the prelude of a 16-bit kernel. float16 uses the GPU's own
+# conversion instructions (PTX cvt: device only); bfloat16 is bit shifts, written for host and
+# device alike, so tests/comm/test_kernel_compile.py checks this very text in a host build against
+# torch over every 16-bit pattern. Unions rather than __uint_as_float: no header needed either side.
+F16_CONVERSIONS = r"""
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }
 __device__ __forceinline__ unsigned short f2h(float f) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
-__device__ __forceinline__ float b2f(unsigned short b) {
-    return __uint_as_float(((unsigned int)b) << 16);
+"""
+BF16_CONVERSIONS = r"""
+__host__ __device__ __forceinline__ float b2f(unsigned short b) {
+    union { unsigned int u; float f; } v;
+    v.u = ((unsigned int)b) << 16;
+    return v.f;
 }
-__device__ __forceinline__ unsigned short f2b(float f) {
-    unsigned int u = __float_as_uint(f);
+__host__ __device__ __forceinline__ unsigned short f2b(float f) {
+    union { float f; unsigned int u; } v;
+    v.f = f;
+    unsigned int u = v.u;
     if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
     return (unsigned short)(u >> 16);
 }
 """
+PRELUDES = {"float32": "", "float64": "", "float16": F16_CONVERSIONS, "bfloat16": BF16_CONVERSIONS}
 
 _LOAD = {"float32": "{}", "float64": "{}", "float16": "h2f({})", "bfloat16": "b2f({})"}
 _STORE = {"float32": "{}", "float64": "{}", "float16": "f2h({})", "bfloat16": "f2b({})"}
@@ -59,6 +70,12 @@ _STORE = {"float32": "{}", "float64": "{}", "float16": "f2h({})", "bfloat16": "f
 
 def kernel_name(k: int, kind: str, vector: bool) -> str:
     return f"weighted_sum_{kind}_{k}{'_vec' if vector else ''}"
+
+
+def forms(inputs: Sequence[int] = range(1, 9)) -> list[tuple[int, str, bool]]:
+    """Every ``(k, kind, vector)`` that ``weighted_sum`` may compile, for these input counts: each
+    kind in scalar form, and in vector form where it has one (taken when every pointer is aligned)."""
+    return [(k, kind, vector) for kind in KINDS for vector in (False, True)[: 1 + (kind in VECTORS)] for k in inputs]
 
 
 def kernel_source(k: int, kind: str, vector: bool) -> str:
@@ -101,8 +118,7 @@ def kernel_source(k: int, kind: str, vector: bool) -> str:
         )
     body += scalar_loop
     name = kernel_name(k, kind, vector)
-    prelude = _CONVERSIONS if kind in ("float16", "bfloat16") else ""
-    return f'{prelude}extern "C" __global__ void {name}({", ".join(params)}) {{\n{body}}}\n'
+    return f'{PRELUDES[kind]}extern "C" __global__ void {name}({", ".join(params)}) {{\n{body}}}\n'
 
 
 @lru_cache(maxsize=None)
