@@ -122,19 +122,20 @@ def foreign(target: Any) -> bool:
     return not str(getattr(target, "__module__", "")).startswith("bfexp.")
 
 
-def dry_build(cfg: Any, launcher: Any = None) -> list[str]:
+def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> list[str]:
     """Build, before any rank starts, everything the ranks will build, as cheaply as possible:
     the topology, the algorithm's options, requirements and engine, the data set (its files),
     the model on the meta device and the optimizer on one dummy parameter. Raises
     ConfigError (one line) for what cannot run; returns notes for the user (e.g. a
-    substituted topology)."""
+    substituted topology). ``here``: the ranks run on this machine (its memory is checked)."""
     import torch
 
     from bfexp.assembly import resolve
     from bfexp.comm import engine_class
     from bfexp.config import RUNTIME, ConfigError, build, check_node, check_optimizer_options, label, launcher_of
     from bfexp.preflight import check_memory
-    from bfexp.models import parameter_count, sample_shape
+    from bfexp.errors import number_in
+    from bfexp.models import check_fits, sample_shape
     from bfexp.watchdog import PROCESS_ONLY_MODES
     from bfexp.scaling import declared_speed, missing_speed_message
     from bfexp.topology import build_topology
@@ -169,10 +170,16 @@ def dry_build(cfg: Any, launcher: Any = None) -> list[str]:
         notes.extend(resolve(algorithm, topology, options)[1])  # reads no graph: any graph serves
     dataset_target, _ = check_node(cfg.dataset, "dataset")
     dataset = guarded("dataset", dataset_target, lambda: build(cfg.dataset, "dataset"))
+    if not cfg.throughput_only:  # batches and held-out samples against what the data set holds
+        notes.extend(check_data(cfg, dataset))
     model_target, _ = check_node(cfg.model, "model", runtime=("in_shape", "in_features", "classes"))
     in_shape, classes = guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
-    parameters = guarded("model", model_target, lambda: parameter_count(cfg.model, in_shape, classes))
-    if not modeled:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
+    fed = (in_shape, classes) if cfg.throughput_only else dataset.sample_shape()  # training: the data's samples
+    parameters = guarded("model", model_target,
+                         lambda: check_fits(cfg.model, *fed, data=f"dataset={label(cfg.dataset)}"))
+    finfo = torch.finfo(getattr(torch, cfg.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
+    number_in("lr", cfg.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {cfg.dtype})")
+    if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
         check_memory(cfg, launcher or launcher_of(cfg), int(parameters), getattr(torch, cfg.dtype).itemsize)
     optimizer_target, optimizer_options = check_node(cfg.optimizer, "optimizer", runtime=("params",))
     check_optimizer_options(optimizer_options)
@@ -183,6 +190,34 @@ def dry_build(cfg: Any, launcher: Any = None) -> list[str]:
     if modeled and not declared_speed(cfg.scaling, label(cfg.model)):
         raise ConfigError(missing_speed_message(cfg.scaling, label(cfg.model)))
     return notes
+
+
+def check_data(cfg: Any, dataset: Any) -> list[str]:
+    """batch_size and eval_subset against the data set's split at this job's ranks (``Dataset.sizes``; its
+    files are read here, so a malformed one is named before any rank starts). A batch larger than every
+    rank's shard is refused: no rank could draw it, and the run would not be the one asked for (torch's
+    DataLoader silently shortens it). Larger than some shards only (an uneven split): those ranks draw their
+    whole shard per step, and a note says so. Returns the notes."""
+    from bfexp.config import label
+    from bfexp.errors import ConfigError
+
+    try:
+        shards, held_out = dataset.sizes(int(cfg.ranks), int(cfg.seed))
+    except NotImplementedError:  # a user's data set that overrides load() only: its ranks say
+        return []
+    where = f"dataset={label(cfg.dataset)} at ranks={cfg.ranks}"
+    if cfg.batch_size > max(shards):
+        raise ConfigError(f"batch_size={cfg.batch_size} exceeds every rank's shard ({max(shards)} samples at most "
+                          f"with {where}); allowed: an integer in [1, {max(shards)}]")
+    short = [r for r, n in enumerate(shards) if n < cfg.batch_size]
+    if cfg.get("eval_subset") is not None and cfg.eval_subset > held_out:
+        raise ConfigError(f"eval_subset={cfg.eval_subset} exceeds the {held_out} held-out samples of {where}; "
+                          f"allowed: an integer in [1, {held_out}] or null (all of them)")
+    if not short:
+        return []
+    return [f"batch_size={cfg.batch_size} exceeds the shard of rank(s) {', '.join(map(str, short[:8]))}"
+            f"{' ...' if len(short) > 8 else ''} ({min(shards)} samples at least, {where}): they train on their "
+            "whole shard each step"]
 
 
 def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
@@ -367,7 +402,7 @@ def run_job(cfg: Any) -> str:
 
     try:
         try:
-            validate(cfg)
+            validate(cfg, reach=sweep_dir is None)  # a sweep's jobs: against each other, before the first (check_sweep)
             from bfexp.config import launcher_of
             from bfexp.launch import launch
             from bfexp.preflight import check_engine, resolve_engine
@@ -494,15 +529,93 @@ def interrupted_early(signum: int) -> None:
         results.write_json_atomic(run_dir / results.SUMMARY, summary)
 
 
+@contextlib.contextmanager
+def refused_here() -> Any:
+    """Bad input found in a Hydra callback ends the driver there (one line, exit 2; 3 for the environment):
+    Hydra turns a callback's exceptions into warnings and goes on, so they leave it as SystemExit."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from bfexp.errors import ConfigError, LaunchError
+
+    try:
+        yield
+    except LaunchError as e:
+        fail(str(e), EXIT_ENVIRONMENT)
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+        fail(one_line(e))
+
+
+def check_output_folder(config: Any, mode: str) -> None:
+    """``hydra.run.dir=`` (or ``hydra.sweep.dir=``) empty: Hydra would write into the current folder."""
+    from bfexp.errors import ConfigError
+
+    if not str(config.hydra[mode].dir or "").strip():
+        raise ConfigError(f"hydra.{mode}.dir={str(config.hydra[mode].dir or '')!r}; allowed: a folder path "
+                          f"(default: {'outputs' if mode == 'run' else 'multirun'}/<date>/<time>)")
+
+
+def sweep_points(config: Any) -> list[tuple[list[str], Any]]:
+    """Every job of a sweep as Hydra's basic sweeper will run it: (its sweep overrides, its composed config
+    without the hydra node)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
+
+    loader = GlobalHydra.instance().config_loader()
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    points = []
+    for batch in BasicSweeper.split_arguments(parsed, None):
+        for overrides in batch:
+            job = loader.load_sweep_config(config, list(overrides))
+            with open_dict(job):
+                del job["hydra"]
+            points.append(([o for o in overrides if o.partition("=")[0] in swept], job))
+    return points
+
+
+def check_sweep(config: Any) -> None:
+    """Every point of a sweep composed and checked as ``run_job`` checks a job, before the first job starts:
+    ``-m lr=0.1,-1`` is refused (one line, exit 2) before ``lr=0.1`` trains, and no folder is made. Options
+    that name a rank or a step are checked against the largest job (``check_reach``). A Slurm sweep's
+    ranks run elsewhere: this machine's memory is not theirs to check."""
+    from bfexp.config import check_reach, job_kind, validate
+    from bfexp.errors import ConfigError
+    from bfexp.preflight import resolve_engine
+
+    here = "slurm" not in str(config.hydra.launcher.get("_target_", "")).lower()
+    points = sweep_points(config)
+    ranks = max(int(job.ranks) for _, job in points)
+    steps = max(int(job.steps) for _, job in points)
+    for swept, job in points:
+        try:
+            validate(job)
+            check_reach(job, ranks, steps)
+            if job_kind(job) != "modeled":
+                job, _ = resolve_engine(job)
+            dry_build(job, here=here)
+        except ConfigError as e:
+            where = f" (sweep point {' '.join(swept)})" if len(points) > 1 and swept else ""
+            raise type(e)(f"{e}{where}") from None
+
+
 class RunFolders:
     """Hydra callback (conf/config.yaml): remembers the folders Hydra makes before bfexp's code runs,
     so a sweep that fails to compose a job leaves no folder behind, and a signal that arrives
     before the job's code runs still leaves a summary saying so. Other moments: nothing."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        with refused_here():  # before Hydra makes the sweep folder
+            check_output_folder(config, "sweep")
+            check_sweep(config)
         _current["sweep_dir"] = Path(str(config.hydra.sweep.dir))
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        with refused_here():  # before Hydra makes the run folder
+            check_output_folder(config, "run")
         _current["planned"] = (Path(str(config.hydra.run.dir)), config)
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:

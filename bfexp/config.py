@@ -219,6 +219,49 @@ def type_ok(value: Any, annotation: Any) -> bool:
     return True
 
 
+# What a group's `_target_` must be, checked before it is called: the base classes (by qualified name, so
+# nothing is imported for the check) and whether a function (that returns one) may stand in for a class.
+KINDS: dict[str, tuple[tuple[str, ...], bool, str]] = {
+    "model": (("torch.nn.modules.module.Module",), True, "a torch.nn.Module subclass or a function returning one"),
+    "optimizer": (("torch.optim.optimizer.Optimizer",), True,
+                  "a torch.optim.Optimizer subclass or a function returning one"),
+    "dataset": (("bfexp.data.Dataset",), False, "a subclass of bfexp.data.Dataset"),
+    "algorithm": (("bfexp.algorithms.base.DecentralizedOptimizer",), False,
+                  "a subclass of bfexp.algorithms.DecentralizedOptimizer"),
+    "topology": (("bfexp.topology.base.Topology",), False, "a subclass of bfexp.topology.Topology"),
+    "launcher": (("bfexp.launchers.base.Launcher",), False, "a subclass of bfexp.launchers.Launcher"),
+    "logger": (("bfexp.loggers.Logger",), False, "a subclass of bfexp.loggers.Logger"),
+}
+
+
+def check_kind(target: Any, key: str) -> None:
+    """Refuse, before it is called, a `_target_` that is not the kind of thing its group builds
+    (``model._target_=bfexp.data.Digits``, ``dataset._target_=os.getcwd``)."""
+    if key not in KINDS:
+        return
+    bases, functions, allowed = KINDS[key]
+    if inspect.isclass(target):
+        ok = any(f"{c.__module__}.{c.__qualname__}" in bases for c in inspect.getmro(target))
+    else:
+        ok = functions and (inspect.isfunction(target) or inspect.ismethod(target))
+    if not ok:
+        what = f"the class {target.__module__}.{target.__qualname__}" if inspect.isclass(target) else \
+            f"{type(target).__name__} {getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+        raise ConfigError(f"{key}._target_ names {what}, not a {key}; allowed: {allowed}")
+
+
+# The largest seed: torch's generators take a signed 64-bit seed, and ranks and probes add small offsets to it.
+SEED_MAX = 2**62
+
+
+def check_seed(key: str, value: Any) -> int:
+    """A seed: an integer in [0, 2**62] (a larger one overflows torch's generator on every rank)."""
+    number_in(key, value, low=0, integer=True)
+    if value > SEED_MAX:
+        raise ConfigError(f"{key}={value}; allowed: an integer in [0, 2**62] (torch's generators take 64 bits)")
+    return int(value)
+
+
 def check_node(node: Any, key: str, runtime: Iterable[str] = ()) -> tuple[Callable[..., Any], dict[str, Any]]:
     """Check a component node against its target's signature; returns (target, options).
 
@@ -228,6 +271,7 @@ def check_node(node: Any, key: str, runtime: Iterable[str] = ()) -> tuple[Callab
     wrong type, with what is allowed.
     """
     target = target_of(node, key)
+    check_kind(target, key)
     options = node_options(node)
     params, hints, open_ended = signature_schema(target)
     own = getattr(target, "name", None)
@@ -246,8 +290,8 @@ def check_node(node: Any, key: str, runtime: Iterable[str] = ()) -> tuple[Callab
         annotation = hints.get(name, params[name].annotation)
         if not type_ok(value, annotation):
             raise ConfigError(f"{key}.{name}={value!r}; allowed: {describe(annotation)}")
-        if name == "seed" and value is not None:  # every component's seed, as the top level's: an integer >= 0
-            number_in(f"{key}.seed", value, low=0, integer=True)
+        if name == "seed" and value is not None:  # every component's seed, as the top level's
+            check_seed(f"{key}.seed", value)
     return target, options
 
 
@@ -541,6 +585,22 @@ def validate_engine(cfg: Any) -> None:
         )
 
 
+def check_cache_folder(value: Any) -> None:
+    """scaling.reference_cache: a folder this user can make, not a file (nor under one); found only after
+    training otherwise, where the reference is stored."""
+    import os
+    from pathlib import Path
+
+    if value in (None, "auto"):
+        return
+    folder = Path(os.path.expanduser(str(value)))
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if not str(value).strip() or blocker is not None:
+        why = f" ({blocker} is a file)" if blocker is not None else ""
+        raise ConfigError(f"scaling.reference_cache={value!r}{why}; allowed: a folder, auto "
+                          "($BFEXP_CACHE_DIR or ~/.cache/bfexp) or null (no cache)")
+
+
 def validate_scaling(cfg: Any) -> None:
     """The scaling config's figures, the baseline probe and throughput-only mode."""
     sc = cfg.scaling
@@ -555,6 +615,7 @@ def validate_scaling(cfg: Any) -> None:
         number_in("scaling.reference_threads", sc.reference_threads, low=1, integer=True)
     for model, speed in (sc.compute_samples_per_s or {}).items():
         number_in(f"scaling.compute_samples_per_s.{model}", speed, low=0, low_open=True)
+    check_cache_folder(sc.get("reference_cache"))
     rpm = sc.ranks_per_machine
     _require(rpm >= 0, f"scaling.ranks_per_machine={rpm}; allowed: 0 (one machine) or >= 1")
     if rpm and cfg.ranks > rpm:
@@ -571,18 +632,76 @@ def validate_scaling(cfg: Any) -> None:
         )
 
 
-def validate(cfg: Any) -> None:
+def near_miss(key: str, allowed: Iterable[str]) -> str:
+    """`` (did you mean 'steps'?)`` for a misspelt key, or nothing."""
+    import difflib
+
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def unknown_key(key: str, allowed: Iterable[str]) -> str:
+    allowed = list(allowed)
+    return f"unknown key '{key}'{near_miss(key.rpartition('.')[2], allowed)}; allowed: {', '.join(allowed)}"
+
+
+def check_closed(cfg: Any) -> None:
+    """The top level and the data-only groups are closed: Hydra's struct mode refuses ``stps=5`` at compose
+    time, but a ``+key=value`` addition (``+stpes=5``) gets in and would be ignored. Refused here, naming
+    the near miss."""
+    from dataclasses import fields
+
+    top = [f.name for f in fields(Config)]
+    for key in cfg:
+        if key not in top and key != "hydra":
+            raise ConfigError(unknown_key(str(key), top))
+    gone = [key for key in top if key not in cfg]  # ``~ranks`` deletes a key the run needs
+    if gone:
+        raise ConfigError(f"{gone[0]} was deleted (~{gone[0]}); allowed: a value for every top-level key "
+                          f"(set it, e.g. {gone[0]}=..., or leave it out for its default)")
+    scaling = cfg.get("scaling")
+    if isinstance(scaling, DictConfig):
+        keys = [f.name for f in fields(ScalingConfig)]
+        for key in scaling:
+            if key not in keys:
+                raise ConfigError(unknown_key(f"scaling.{key}", keys))
+
+
+def check_reach(cfg: Any, ranks: int | None = None, steps: int | None = None) -> None:
+    """Options that name a rank or a step must name one the command runs: ``fail_rank=7 ranks=2`` or
+    ``fail_step=50 steps=5`` would never fire. ``ranks``/``steps``: the most any job of the command runs
+    (a sweep over ``ranks=2,4`` may share ``fail_rank=3``: it fires in the 4-rank job); default this job's."""
+    ranks = int(cfg.ranks if ranks is None else ranks)
+    steps = int(cfg.steps if steps is None else steps)
+    within = f"ranks={ranks}" + (" in the largest job of this sweep" if ranks != cfg.ranks else "")
+    if cfg.get("fail_rank") is not None and cfg.fail_rank >= ranks:
+        raise ConfigError(f"fail_rank={cfg.fail_rank} is no rank of {within}; allowed: an integer in [0, {ranks - 1}]")
+    if cfg.get("epochs") is None and cfg.fail_step > steps:
+        longest = f"steps={steps}" + (" in the longest job of this sweep" if steps != cfg.steps else "")
+        raise ConfigError(f"fail_step={cfg.fail_step} is after the last step ({longest}); "
+                          f"allowed: an integer in [1, {steps}]")
+    slow = _get(cfg, "heterogeneity.slow_ranks") or []
+    beyond = [r for r in slow if isinstance(r, int) and r >= ranks]
+    if beyond:
+        raise ConfigError(f"heterogeneity.slow_ranks={list(slow)} names rank(s) {', '.join(map(str, beyond))}, "
+                          f"none of {within}; allowed: ranks in [0, {ranks - 1}]")
+
+
+def validate(cfg: Any, reach: bool = False) -> None:
     """Reject what cannot run in the top level, the data-only groups and across groups, naming the value and
     what is allowed. The logger and the launcher are built here (light classes whose constructors check their
     options); the other components (algorithm, topology, model, dataset, optimizer, engine) are checked by
-    their own constructors in the driver's dry build (bfexp.cli) or where they are built.
+    their own constructors in the driver's dry build (bfexp.cli) or where they are built. ``reach``: the
+    options naming a rank or a step against this job's (``check_reach``; a sweep checks them against its
+    largest job).
     """
+    check_closed(cfg)
     for key, allowed in ALLOWED.items():
         value = _get(cfg, key)
         if value is not None:
             _require(value in allowed, f"{key}={value!r}; allowed: {', '.join(allowed)}")
     number_in("ranks", cfg.ranks, low=1, integer=True)
-    number_in("seed", cfg.seed, low=0, integer=True)
+    check_seed("seed", cfg.seed)
     number_in("steps", cfg.steps, low=1, integer=True)
     if cfg.epochs is not None:
         number_in("epochs", cfg.epochs, low=1, integer=True)
@@ -604,7 +723,9 @@ def validate(cfg: Any) -> None:
     if cfg.get("target_eval_loss") is not None:
         number_in("target_eval_loss", cfg.target_eval_loss, low=0, low_open=True)
     if cfg.fail_rank is not None:
-        number_in("fail_rank", cfg.fail_rank, low=0, integer=True)  # beyond a job's ranks it never fires (sweeps)
+        number_in("fail_rank", cfg.fail_rank, low=0, integer=True)  # against the ranks: check_reach
+    if reach:
+        check_reach(cfg)
     build(cfg.logger, "logger")  # its constructor checks its options (bfexp.loggers), e.g. wandb importable
     build(cfg.launcher, "launcher")  # its constructor checks its options (bfexp.launchers)
     validate_engine(cfg)

@@ -15,6 +15,7 @@ numbers. Nothing is downloaded: MNIST and CIFAR-10 load from a local folder.
 from __future__ import annotations
 
 import gzip
+import math
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +172,15 @@ class Dataset:
             len(y_train),
         )
 
+    def sizes(self, size: int, seed: int) -> tuple[list[int], int]:
+        """(each rank's training samples, the held-out samples) at ``size`` ranks, what the driver checks
+        batch_size and eval_subset against before any rank starts (a split that leaves a rank too few
+        samples, a malformed file: DatasetError here, not on every rank). This default loads the arrays."""
+        _, y_train, _, y_test, _ = self.arrays(seed)
+        shards = partition(y_train, size, self.partition, self.alpha, np.random.default_rng([seed, 1]))
+        held_out = min(len(y_test), self.eval_samples) if self.eval_samples else len(y_test)
+        return [len(s) for s in shards], held_out
+
     def sample_shape(self) -> tuple[tuple[int, ...], int]:
         """(one sample's shape, classes), to size a model. This default loads the arrays once;
         a data set that knows its shape says it without loading."""
@@ -234,6 +244,9 @@ class Synthetic(Dataset):
             self.samples_per_rank * size,
         )
 
+    def sizes(self, size: int, seed: int) -> tuple[list[int], int]:
+        return [self.samples_per_rank] * size, max(1, (self.eval_samples or 2000) // size) * size
+
     def sample_shape(self) -> tuple[tuple[int, ...], int]:
         return (self.features,), self.classes
 
@@ -295,11 +308,21 @@ def channels_last(x: np.ndarray) -> np.ndarray:
 
 
 def _read_idx(path: Path) -> np.ndarray:
+    """An idx file of unsigned bytes (magic 0x00 0x00 0x08 ndim, then ndim big-endian sizes, then the data);
+    DatasetError naming the file for anything else (a truncated download, an HTML page, a wrong file)."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise DatasetError(f"dataset file {path} cannot be read: {e}; allowed: an idx file (optionally .gz)") from None
+    ndim = data[3] if len(data) >= 4 else 0
     shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    expected = 4 + 4 * ndim + math.prod(shape)
+    if data[:3] != b"\x00\x00\x08" or ndim == 0 or len(data) != expected:
+        raise DatasetError(f"dataset file {path} is not an idx file of bytes ({len(data)} bytes"
+                           f"{f', header says {expected}' if ndim and data[:3] == bytes([0, 0, 8]) else ''}); "
+                           "allowed: MNIST's idx files as distributed (optionally .gz)")
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
@@ -316,6 +339,11 @@ class MNIST(_Folder):
 
     def arrays(self, seed: int) -> Arrays:
         x_tr, y_tr, x_te, y_te = (_read_idx(self._path(name)) for name in self.files)
+        for images, labels, (x, y) in zip(self.files[::2], self.files[1::2], ((x_tr, y_tr), (x_te, y_te))):
+            if x.ndim != 3 or x.shape[1:] != (28, 28) or y.ndim != 1 or len(x) != len(y):
+                raise DatasetError(f"dataset files {self._path(images)} and {self._path(labels)} hold images of "
+                                   f"shape {x.shape} and labels of shape {y.shape}; allowed: N images of 28x28 "
+                                   "and N labels (MNIST's idx files as distributed)")
         return x_tr[:, None], y_tr.astype(np.int64), x_te[:, None], y_te.astype(np.int64), 10  # uint8 pixels
 
     def inputs(self, x: np.ndarray) -> np.ndarray:
@@ -338,9 +366,18 @@ class CIFAR10(_Folder):
         super().__init__(root, **options)
 
     def _batch(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        with open(self._path(name), "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
-        return batch[b"data"].reshape(-1, 3, 32, 32), np.array(batch[b"labels"], dtype=np.int64)
+        path = self._path(name)
+        try:
+            with open(path, "rb") as f:
+                batch = pickle.load(f, encoding="bytes")
+            x, y = np.asarray(batch[b"data"]).reshape(-1, 3, 32, 32), np.array(batch[b"labels"], dtype=np.int64)
+        except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError, IndexError) as e:
+            raise DatasetError(f"dataset file {path} is not a CIFAR-10 batch ({type(e).__name__}: {e}); "
+                               "allowed: cifar-10-batches-py's pickled batches as distributed") from None
+        if len(x) != len(y):
+            raise DatasetError(f"dataset file {path} holds {len(x)} images and {len(y)} labels; "
+                               "allowed: cifar-10-batches-py's pickled batches as distributed")
+        return x, y
 
     def arrays(self, seed: int) -> Arrays:
         *train_names, test_name = self.files

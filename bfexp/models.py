@@ -34,7 +34,8 @@ from bfexp import config
 from bfexp.data import Dataset
 from bfexp.errors import ConfigError, number_in
 
-__all__ = ["CNN", "LogReg", "MLP", "ResNet50", "build_model", "initialize", "parameter_count", "sample_shape"]
+__all__ = ["CNN", "LogReg", "MLP", "ResNet50", "build_model", "check_fits", "initialize", "parameter_count",
+           "sample_shape"]
 
 Activation = Literal["relu", "tanh", "gelu"]
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
@@ -312,6 +313,30 @@ def parameter_count(node: Any, in_shape: tuple[int, ...], classes: int) -> int:
         model = _construct(node, in_shape, classes)
         _materialize(model, in_shape)
     return sum(p.numel() for p in model.parameters())
+
+
+def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "the data set") -> int:
+    """The driver's check of a model against its data, on torch's meta device (shapes, no memory, no
+    compute): it has parameters to train, takes a batch of ``in_shape`` samples, and gives one score per
+    class. Returns its parameter count; ConfigError (one line) otherwise, where every rank would raise."""
+    what = f"model._target_={node.get('_target_')!r}"
+    with torch.device("meta"):
+        model = _construct(node, in_shape, classes)
+        try:
+            _materialize(model, in_shape)
+            out = model(torch.zeros(2, *in_shape))
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{what} cannot take {data}'s samples of shape {tuple(in_shape)}: {first}; "
+                              "allowed: a model and data set whose shapes fit") from None
+    count = sum(p.numel() for p in model.parameters())
+    if count == 0:
+        raise ConfigError(f"{what} has no parameters to train; allowed: a model with parameters")
+    shape = tuple(getattr(out, "shape", ()))
+    if shape != (2, classes):
+        raise ConfigError(f"{what} gives outputs of shape {shape} for a batch of 2 samples of {data} "
+                          f"({classes} classes); allowed: (batch, classes) = (2, {classes})")
+    return count
 
 
 def sample_shape(model_node: Any, dataset: Dataset) -> tuple[tuple[int, ...], int]:
