@@ -266,16 +266,14 @@ def resume_arguments(args: list[str]) -> list[str]:
     folder = Path(given[0].partition("=")[2])
     rest = [a for a in args if a not in given and a not in ("-m", "--multirun")
             and override_key(a) not in ("hydra.run.dir", "hydra.sweep.dir")]
-    from omegaconf import OmegaConf
-
     if (folder / "multirun.yaml").is_file():
-        saved, mode, key = OmegaConf.load(folder / "multirun.yaml").hydra.overrides, ["-m"], "hydra.sweep.dir"
+        saved, mode, key = saved_overrides(folder / "multirun.yaml"), ["-m"], "hydra.sweep.dir"
     elif (folder / ".hydra" / "hydra.yaml").is_file():
-        summary = results.read_json(folder / results.SUMMARY) or {}
-        if summary.get("status") in results.FINISHED:
+        summary = results.read_json(folder / results.SUMMARY)
+        if isinstance(summary, dict) and summary.get("status") in results.FINISHED:
             print(f"bfexp: {folder} already {summary['status']}; nothing to resume")
             sys.exit(0)
-        saved, mode, key = OmegaConf.load(folder / ".hydra" / "hydra.yaml").hydra.overrides, [], "hydra.run.dir"
+        saved, mode, key = saved_overrides(folder / ".hydra" / "hydra.yaml"), [], "hydra.run.dir"
     else:
         fail(f"resume={folder} is not a bfexp run or sweep folder (no .hydra/hydra.yaml, no multirun.yaml); "
              "allowed: a folder a bfexp run or sweep wrote")
@@ -283,6 +281,27 @@ def resume_arguments(args: list[str]) -> list[str]:
     kept = [str(o) for o in list(saved.hydra) + list(saved.task)
             if override_key(str(o)) not in own | {"hydra.run.dir", "hydra.sweep.dir", "hydra.mode"}]
     return [*mode, *rest, *kept, f"{key}={quote(str(folder))}"]
+
+
+def saved_overrides(path: Path) -> Any:
+    """The overrides Hydra saved in a run's hydra.yaml or a sweep's multirun.yaml (``hydra.overrides``, with
+    its ``hydra`` and ``task`` lists); ConfigError naming the file when it cannot be read as one."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    from bfexp.errors import ConfigError
+
+    try:
+        saved = OmegaConf.load(path)
+        overrides = saved.hydra.overrides if isinstance(saved, DictConfig) else None
+        ok = isinstance(overrides, DictConfig) and all(isinstance(overrides.get(k), ListConfig)
+                                                       for k in ("hydra", "task"))
+    except Exception as e:  # yaml's errors, undecodable bytes, OmegaConf's: the file is damaged
+        ok, why = False, f" ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+    else:
+        why = " (no hydra.overrides.task and hydra.overrides.hydra lists)"
+    if not ok:
+        raise ConfigError(f"resume: {path} cannot be read{why}; allowed: the file as Hydra wrote it")
+    return overrides
 
 
 def hydra_argument_order(args: list[str]) -> list[str]:

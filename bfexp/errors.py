@@ -19,7 +19,9 @@
   traceback.
 
 ``number_in`` is the one range check of a numeric option (its message
-included): every component checks its numbers with it.
+included): every component checks its numbers with it. ``text_of`` is the
+one read of a user's text file (an edge list, a hostfile): a file that
+cannot be read or decoded is one line naming it.
 
 This module imports only the standard library: every layer may raise these.
 """
@@ -47,6 +49,7 @@ __all__ = [
     "TopologyError",
     "TopologyMismatch",
     "number_in",
+    "text_of",
 ]
 
 EXIT_JOB_FAILED = 1
@@ -128,3 +131,14 @@ def number_in(key: str, value: Any, *, low: float | None = None, high: float | N
             bounds = ""
         raise error(f"{key}={value!r}; allowed: {kind}{bounds}{' ' + note if note else ''}")
     return value
+
+
+def text_of(path: Any, key: str, allowed: str, error: type[Exception] = ConfigError) -> str:
+    """A user's text file as UTF-8 text; ``error`` (one line: ``key=path cannot be read (why); allowed: ...``)
+    for a file that is missing, a folder, unreadable or not text (undecodable bytes)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        why = f"{type(e).__name__}: {e.strerror}" if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise error(f"{key}={path} cannot be read ({why}); allowed: {allowed}") from None

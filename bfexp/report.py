@@ -33,7 +33,7 @@ from statistics import mean
 from typing import Any, Iterable
 
 from bfexp import results, scaling
-from bfexp.errors import NoJobsError
+from bfexp.errors import ConfigError, NoJobsError
 
 try:  # the Hydra callback API; the report itself does not need Hydra
     from hydra.experimental.callback import Callback
@@ -124,7 +124,11 @@ def read_overrides(job_dir: Path) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     out: dict[str, str] = {}
-    for item in OmegaConf.to_container(OmegaConf.load(path)) or []:
+    try:
+        items = OmegaConf.to_container(OmegaConf.load(path)) or []
+    except Exception:  # a damaged overrides.yaml: the job is reported without its overrides
+        items = []
+    for item in items if isinstance(items, list) else []:
         key, sep, value = str(item).partition("=")
         if sep:
             out[key.lstrip("+~")] = value
@@ -132,11 +136,17 @@ def read_overrides(job_dir: Path) -> dict[str, str]:
 
 
 def load_job(job_dir: Path, root: Path) -> Job:
-    summary = results.read_json(job_dir / results.SUMMARY)
+    """A job folder read back; a damaged summary.json or metrics.jsonl is said in the job's error (the
+    other jobs of the sweep are reported as they are)."""
+    summary, damaged = results.read_json_checked(job_dir / results.SUMMARY)
+    metrics, bad_metrics = results.read_jsonl_checked(job_dir / results.METRICS)
     if summary is None:
-        summary = {"status": "unknown", "error": "no summary.json: the job did not finish or is still running"}
+        why = f"damaged summary: {damaged}" if damaged else "no summary.json: the job did not finish or is still running"
+        summary = {"status": "unknown", "error": why}
+    if bad_metrics:
+        summary = {**summary, "error": "; ".join(filter(None, [summary.get("error"), f"damaged metrics: {bad_metrics}"]))}
     name = job_dir.name if job_dir == root else str(job_dir.relative_to(root))
-    return Job(job_dir, name, summary, results.read_jsonl(job_dir / results.METRICS), read_overrides(job_dir))
+    return Job(job_dir, name, summary, metrics, read_overrides(job_dir))
 
 
 def _job_order(job: Job) -> tuple:
@@ -840,8 +850,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         report = write_report(args.folder, args.out, plots=not args.no_plots)
-    except NoJobsError as e:
+    except ConfigError as e:  # no jobs there, a damaged file of the sweep's own
         print(f"bfexp-report: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # --out: read-only, a file, a full disk
+        where = e.filename or args.out or args.folder
+        print(f"bfexp-report: error: cannot write the report to {where}: {e.strerror or e}; allowed: --out "
+              "a folder this user can write", file=sys.stderr)
         sys.exit(2)
     print_report(report)
 

@@ -161,11 +161,28 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def read_json(path: str | os.PathLike) -> dict | None:
+    """A JSON object from a file; None when there is none or it is not one (``read_json_checked`` says why)."""
+    return read_json_checked(path)[0]
+
+
+def read_json_checked(path: str | os.PathLike) -> tuple[dict | None, str | None]:
+    """(the JSON object in a file, None); (None, None) when there is no file; (None, what is wrong) when it is
+    damaged: undecodable bytes, truncated or not JSON, or JSON that is not an object."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except FileNotFoundError:
+        return None, None
+    except IsADirectoryError:
+        return None, f"{path} is a folder"
+    except UnicodeDecodeError as e:
+        return None, f"{path} holds undecodable bytes ({e.reason} at byte {e.start})"
+    except json.JSONDecodeError as e:
+        end = "truncated" if e.pos >= len(e.doc.rstrip()) or e.msg.startswith("Unterminated") else "not JSON"
+        return None, f"{path} is {end} ({e.msg} at line {e.lineno} column {e.colno})"
+    if not isinstance(data, dict):
+        return None, f"{path} holds a JSON {type(data).__name__}, not an object"
+    return data, None
 
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
@@ -180,6 +197,29 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return list(iter_jsonl(path))
+
+
+def read_jsonl_checked(path: str | os.PathLike) -> tuple[list[dict], str | None]:
+    """(the records of a JSON-lines file, None), or the records before its first damaged line and what is
+    wrong there (undecodable bytes, a line that is not a JSON object)."""
+    records: list[dict] = []
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        return records, None
+    except OSError as e:
+        return records, f"{path} cannot be read ({e.strerror or e})"
+    for number, line in enumerate(lines[:-1], 1):  # the last piece: empty, or a torn line still being written
+        try:
+            record = json.loads(line) if line.strip() else {}
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both
+            return records, f"{path} line {number} is not a JSON record ({type(e).__name__})"
+        if not isinstance(record, dict):
+            return records, f"{path} line {number} holds a JSON {type(record).__name__}, not an object"
+        if record:
+            records.append(record)
+    return records, None
 
 
 def iter_jsonl(path: str | os.PathLike, start: int = 0) -> Iterator[dict]:

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import ClassVar, Sequence
 
-from bfexp.errors import ConfigError, LaunchError
+from bfexp.errors import ConfigError, LaunchError, text_of
 from bfexp.launchers.base import Launcher, find_mpiexec, processor_slots
 
 __all__ = ["Mpirun", "check_interface", "interface_args", "is_this_machine", "parse_hosts", "read_hostfile"]
@@ -102,7 +102,8 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
     if not file.is_file():
         raise ConfigError(f"launcher.hostfile={path} does not exist; allowed: a file of `host slots=N` lines")
     out = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
+    text = text_of(file, "launcher.hostfile", "a text file of `host slots=N` lines")
+    for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue

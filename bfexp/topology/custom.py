@@ -44,7 +44,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 import numpy as np
 
-from bfexp.errors import TopologyError
+from bfexp.errors import TopologyError, text_of
 from bfexp.topology.base import Topology, check_ranks
 from bfexp.topology.mixing import WEIGHT_SCHEMES, NotUndirected, SparseMixing, WeightScheme, weigh
 
@@ -127,6 +127,9 @@ class CustomTopology(Topology):
         self._weighed = [_mixing(n, *_orient(e, direction), weights, e.where, t) for t, e in enumerate(entries)]
         # Some input was read the way topology.direction says (so it could have been meant the other way).
         self._read_by_option = direction is not None and any(not e.oriented and e.declared is None for e in entries)
+        # A graph whose direction was stated (topology.direction, a file's header) and that has one-way edges
+        # is a directed graph the user asked for, as ``ring directed=true`` is: it has no undirected form.
+        self.declared_directed = (direction is not None or any(e.declared for e in entries)) and self.directed
         self.validate()
 
     def _build(self, t: int) -> SparseMixing:
@@ -545,7 +548,8 @@ def _load(path: Path, size: int) -> list[_Entries]:
 def _read_edge_list(path: Path, size: int) -> _Entries:
     """Lines ``src dst [weight]`` (whitespace or commas), ``#`` comments, an optional direction header."""
     rows, weights, declared, columns = [], [], None, None
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    text = text_of(path, "topology.path", f"an edge list as UTF-8 text, or {FILE_KINDS}", TopologyError)
+    for number, line in enumerate(text.splitlines(), 1):
         text = line.strip()
         if text.startswith("#"):
             m = _HEADER.match(text)
@@ -588,6 +592,7 @@ def _read_edge_list(path: Path, size: int) -> _Entries:
 
 def _read_node(path: Path, size: int) -> list[_Entries]:
     """A YAML topology node (``_target_`` + options), built for this rank count: its W(t), one per t."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -595,7 +600,7 @@ def _read_node(path: Path, size: int) -> list[_Entries]:
 
     try:
         node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (OSError, OmegaConfBaseException, ValueError) as e:
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
         raise TopologyError(f"topology.path={path.name} is not a YAML topology node ({str(e).splitlines()[0]}); "
                             "allowed: a mapping with _target_ and its options") from None
     if not isinstance(node, dict) or "_target_" not in node:
