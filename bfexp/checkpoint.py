@@ -52,6 +52,8 @@ __all__ = ["Checkpointer", "EXPERIMENT", "job_folder", "latest", "prepare", "req
 CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest.json"
 STOP = "stop"
+# The checkpoint's format (latest.json's "format", every rank file's): bumped when what a rank file holds changes.
+FORMAT = 1
 SKIPPED = ".skipped"  # in a sweep folder: where a finished job's scratch folder goes (the CLI removes it)
 # What a trajectory depends on: a checkpoint resumes only a config that agrees on these.
 EXPERIMENT = ("ranks", "seed", "batch_size", "lr", "dtype", "algorithm", "topology", "model", "dataset", "optimizer",
@@ -105,10 +107,44 @@ def differences(saved: dict, now: dict) -> list[str]:
     return [f"{k}={b.get(k)!r} (checkpoint: {a.get(k)!r})" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def latest(run_dir: Path) -> dict | None:
-    """The run folder's complete checkpoint (latest.json, every rank's file present), or None."""
+def read_manifest(path: Path) -> dict | None:
+    """latest.json checked: None when there is none; ConfigError (one line naming the file) when it cannot be
+    read or is not a manifest of this format, instead of a resume silently starting over from step 0."""
+    manifest, damaged = results.read_json_checked(path)
+    if manifest is None and damaged is None:
+        return None
+    problem = damaged.replace(f"{path} ", "", 1) if damaged else manifest_problem(manifest)
+    if problem:
+        raise ConfigError(f"checkpoint manifest {path} is damaged ({problem}); allowed: a manifest bfexp wrote "
+                          f"(format {FORMAT}); remove {path.parent} to start the run over")
+    return manifest
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with a parsed latest.json, or None."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    version = manifest.get("format", 1)  # checkpoints from before the version was written are format 1
+    if version != FORMAT:
+        return f"format {version!r}; this bfexp reads format {FORMAT}"
+    for key, kind in (("step", int), ("ranks", int), ("folder", str), ("experiment", dict)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            return f"{key}={manifest.get(key)!r}"
+    if manifest["folder"] != f"step{manifest['step']}" or manifest["step"] < 1 or manifest["ranks"] < 1:
+        return f"step={manifest['step']}, ranks={manifest['ranks']}, folder={manifest['folder']!r}"
+    return None
+
+
+def latest(run_dir: Path, strict: bool = False) -> dict | None:
+    """The run folder's complete checkpoint (latest.json, every rank's file present), or None. ``strict``:
+    a damaged latest.json is a ConfigError (``read_manifest``), not None."""
     root = Path(run_dir) / CHECKPOINT_DIR
-    manifest = results.read_json(root / LATEST)
+    try:
+        manifest = read_manifest(root / LATEST)
+    except ConfigError:
+        if strict:
+            raise
+        return None
     if not manifest:
         return None
     folder = root / str(manifest.get("folder", ""))
@@ -130,7 +166,7 @@ def prepare(cfg: Any, run_dir: Path, total_steps: int | None = None) -> dict | N
     last = results.read_json(run_dir / results.SUMMARY) or {}
     if last.get("status") in results.FINISHED:
         shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
-    manifest = latest(run_dir)
+    manifest = latest(run_dir, strict=True)
     step = 0
     if manifest is not None:
         changed = differences(manifest.get("experiment", {}), experiment(cfg))
@@ -156,6 +192,23 @@ def prepare(cfg: Any, run_dir: Path, total_steps: int | None = None) -> dict | N
 
 # ---------------------------------------------------------------- resumable sweeps
 
+# A folder name's longest form (file systems take 255 bytes; the job number and a hash go beside it).
+NAME_BYTES = 200
+
+
+def folder_name(key: str) -> str:
+    """A job's overrides as ONE folder name: ``/`` (a swept path, ``topology.path=g/a.edges``) would nest
+    folders and ``..`` climb out of the sweep, so ``%`` and ``/`` are percent-encoded (``g%2Fa.edges``);
+    a name too long for a file system keeps its start and a hash of the whole."""
+    import hashlib
+
+    name = key.replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
+    if len(name.encode()) > NAME_BYTES:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+        name = name.encode()[:NAME_BYTES - 13].decode(errors="ignore") + "~" + digest
+    return name
+
+
 def job_folder(sweep_dir: Any, num: Any, key: Any) -> str:
     """A sweep job's folder (hydra.sweep.subdir), keyed by its overrides: ``<num>_<overrides>``.
 
@@ -168,7 +221,7 @@ def job_folder(sweep_dir: Any, num: Any, key: Any) -> str:
     import glob
     import re
 
-    root, key = Path(str(sweep_dir)), str(key)
+    root, key = Path(str(sweep_dir)), folder_name(str(key))
     pattern = re.compile(r"\d+_" + re.escape(key))
     earlier = sorted((p for p in root.glob("*_" + glob.escape(key)) if p.is_dir()
                       and pattern.fullmatch(p.relative_to(root).as_posix())), key=lambda p: int(p.name.split("_")[0]))
@@ -180,6 +233,26 @@ def job_folder(sweep_dir: Any, num: Any, key: Any) -> str:
 
 
 # ---------------------------------------------------------------- a rank's side
+
+
+def check_state(path: Path, state: Any, model: Any, rank: int) -> None:
+    """A rank file checked before anything is loaded from it: this format, this rank, and a model state with
+    this model's keys and shapes (torch's own message ends at "Error(s) in loading state_dict for LogReg:")."""
+    keys = ("step", "model", "algorithm", "sampler", "loop")
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise ConfigError(f"checkpoint file {path} is not a bfexp checkpoint (it lacks "
+                          f"{', '.join(k for k in keys if not isinstance(state, dict) or k not in state)})")
+    if state.get("format", 1) != FORMAT or state.get("rank", rank) != rank:
+        raise ConfigError(f"checkpoint file {path} has format {state.get('format', 1)!r} and rank "
+                          f"{state.get('rank')!r}; allowed: format {FORMAT}, rank {rank}")
+    saved = {k: tuple(v.shape) for k, v in state["model"].items()}
+    here = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    differ = [f"missing {k}" for k in here if k not in saved] + [f"unexpected {k}" for k in saved if k not in here]
+    differ += [f"{k} is {saved[k]} in the checkpoint, {here[k]} here" for k in here if k in saved and saved[k] != here[k]]
+    if differ:
+        raise ConfigError(f"checkpoint file {path} is of another model ({type(model).__name__}): "
+                          f"{'; '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}; "
+                          "allowed: the model the checkpoint was written for")
 
 
 class Checkpointer:
@@ -209,12 +282,17 @@ class Checkpointer:
         (``step`` 0 and nothing else without one)."""
         import torch
 
-        manifest = latest(self.run_dir)
+        manifest = latest(self.run_dir, strict=True)
         if manifest is None:
             return {"step": 0}
         path = self.run_dir / CHECKPOINT_DIR / manifest["folder"] / f"rank{self.engine.rank}.pt"
         device = getattr(self.engine, "device", None) or "cpu"
-        state = torch.load(path, map_location=device, weights_only=True)
+        try:
+            state = torch.load(path, map_location=device, weights_only=True)
+        except (RuntimeError, OSError, EOFError, ValueError) as e:
+            raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+        check_state(path, state, model, self.engine.rank)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["algorithm"])
         sampler.load_state_dict(state["sampler"])
@@ -256,6 +334,7 @@ class Checkpointer:
         import torch
 
         state = {
+            "format": FORMAT,
             "step": step,
             "rank": self.engine.rank,
             "model": model.state_dict(),
@@ -282,8 +361,8 @@ class Checkpointer:
     def _commit(self, step: int) -> None:
         """Rank 0, once every rank's file is there: point latest.json at this step, drop the older ones."""
         root = self.run_dir / CHECKPOINT_DIR
-        results.write_json_atomic(root / LATEST, {"step": step, "ranks": self.engine.size, "folder": f"step{step}",
-                                                  "experiment": self.experiment})
+        results.write_json_atomic(root / LATEST, {"format": FORMAT, "step": step, "ranks": self.engine.size,
+                                                  "folder": f"step{step}", "experiment": self.experiment})
         for old in root.glob("step*"):
             if old.name != f"step{step}":
                 shutil.rmtree(old, ignore_errors=True)
