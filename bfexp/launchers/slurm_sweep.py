@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import getpass
 import logging
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, se
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bfexp import results
+from bfexp.errors import LaunchError
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,9 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     import submitit
 
     assert launcher.config is not None and launcher.hydra_context is not None
+    if shutil.which("sbatch") is None:
+        raise LaunchError("hydra/launcher=slurm needs Slurm: no sbatch on PATH; allowed: a machine with Slurm's "
+                          "client commands (or a local sweep: leave hydra/launcher out)")
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     log.info(f"Slurm sweep output dir : {sweep_dir}")
@@ -128,10 +133,19 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         params = OmegaConf.to_container(config.hydra.launcher, resolve=True)
         assert isinstance(params, dict)
         folder = run_dir_of(config) / str(params["submitit_folder"])  # an absolute folder stays as it is
+        made = not run_dir_of(config).exists()  # by this submission: removed again if sbatch refuses it
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
                                          slurm_max_num_timeout=params.get("max_num_timeout", 0))
         executor.update_parameters(**job_parameters(params))
-        job = executor.submit(launcher, config, Singleton.get_state())
+        try:
+            job = executor.submit(launcher, config, Singleton.get_state())
+        except (submitit.core.utils.FailedJobError, OSError, subprocess.SubprocessError) as e:
+            if made:
+                shutil.rmtree(run_dir_of(config), ignore_errors=True)
+            lines = [line for line in str(e).strip().splitlines() if line.strip()]
+            raise LaunchError(f"hydra/launcher=slurm: sbatch refused job #{idx}: "
+                              f"{lines[-1] if lines else type(e).__name__}; allowed: a reachable Slurm "
+                              "controller and resources it grants") from None
         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}  (Slurm job {job.job_id}: "
                  f"{params['nodes']} node(s) x {params['tasks_per_node']} rank(s))")
         submitted.append((config, job))
