@@ -316,7 +316,7 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
 
 def _exit_error(run_dir: Path, returncode: int | None) -> str:
     error = f"ranks exited with code {returncode} before finishing"
-    found = killed_rank(run_dir) or results.exception_in_logs(run_dir)
+    found = killed_rank(run_dir) or results.exception_in_logs(run_dir) or results.launcher_reason(run_dir)
     return f"{error}: {found}" if found else error
 
 

@@ -335,6 +335,24 @@ def exception_in_logs(run_dir: str | os.PathLike) -> str | None:
     return None
 
 
+def launcher_reason(run_dir: str | os.PathLike) -> str | None:
+    """mpiexec's own reason, when it refused to start the ranks (a bad engine.mpiexec_args, a host it cannot
+    reach): the first message of logs/mpiexec.log (Open MPI frames each between lines of dashes) in one
+    line, e.g. "An unrecognized option was included on the mpiexec command line: Option: --bogus-flag"."""
+    try:
+        text = (Path(run_dir) / LOGS_DIR / "mpiexec.log").read_text(errors="replace")
+    except OSError:
+        return None
+    blocks = [b for b in re.split(r"^-{20,}\s*$", text, flags=re.M) if b.strip()]
+    if not blocks:
+        return None
+    lines = [line.strip() for line in blocks[0].strip().splitlines()]
+    end = lines.index("") if "" in lines else len(lines)
+    head = " ".join(lines[:end])  # its first paragraph, and what it introduces with a colon
+    rest = next((line for line in lines[end:] if line), "")
+    return f"mpiexec: {head}{' ' + rest if rest and head.endswith(':') else ''}"[:300]
+
+
 # ---------------------------------------------------------------- room for the summary on a full disk
 
 # Disk held in the run folder while ranks run, given back to write the summary when the disk fills up.

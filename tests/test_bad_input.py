@@ -124,7 +124,7 @@ NEW_CASES = [
     # every point of a sweep is checked before the first job trains
     ("sweep-late-lr", ["-m", "lr=0.1,-1", *TINY], ["lr=-1", "sweep point lr=-1"]),
     ("sweep-late-ranks", ["-m", "ranks=2,0", "steps=2"], ["ranks=0", ">= 1"]),
-    ("sweep-late-seed", ["-m", "seed=0,1e30", *TINY], ["seed"]),
+    ("sweep-late-seed", ["-m", "seed=0,-1", *TINY], ["seed=-1", ">= 0"]),
     ("sweep-late-batch", ["-m", "batch_size=8,100000", *TINY], ["batch_size=100000", "at most"]),
     ("sweep-late-model", ["-m", "model=logreg,cnn", *TINY], ["CNN", "shape"]),
     ("sweep-late-reach", ["-m", "ranks=2,4", "fail_rank=5", "steps=2"], ["fail_rank=5", "largest job"]),

@@ -138,3 +138,20 @@ def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path):
     assert got["code"] == 3 and got["escaped"] is None, got
     assert len(lines) == 1 and "hydra/launcher=slurm needs Slurm: no sbatch" in lines[0], got["stderr"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mpiexec_refusing_its_arguments_says_why(tmp_path):
+    """A bad engine.mpiexec_args: the job's error is mpiexec's own reason from logs/mpiexec.log (before:
+    only "ranks exited with code 213")."""
+    script = textwrap.dedent("""
+        import json
+        from tests.cli_in_process import call
+        print(json.dumps(call(["engine=mpi", "engine.mpiexec_args=[--bogus-flag]", "ranks=2", "steps=2",
+                               "hydra.run.dir=run"])))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["code"] == 1 and got["escaped"] is None, got
+    error = json.loads((tmp_path / "run" / "summary.json").read_text())["error"]
+    assert "unrecognized option" in error and "--bogus-flag" in error, error
