@@ -225,7 +225,7 @@ def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
     its job log), and the parents left empty; a sweep folder left with only multirun.yaml too.
     Bad input leaves no folder behind; a folder with anything of a run in it stays."""
     def only_hydra(folder: Path) -> bool:
-        return folder.is_dir() and all(p.name == ".hydra" or (p.is_file() and p.suffix == ".log")
+        return folder.is_dir() and all(p.name in (".hydra", results.LOCK) or (p.is_file() and p.suffix == ".log")
                                        for p in folder.iterdir())
 
     cwd = Path.cwd().resolve()
@@ -235,6 +235,7 @@ def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
         if not others or others == [sweep_dir / checkpoint.SKIPPED]:
             folders.append(sweep_dir)
     for folder in folders:
+        results.unlock_folder(folder)
         shutil.rmtree(folder, ignore_errors=True)
         parent = folder.resolve().parent
         while parent != cwd and cwd in parent.parents:
@@ -266,6 +267,11 @@ def resume_arguments(args: list[str]) -> list[str]:
     folder = Path(given[0].partition("=")[2])
     rest = [a for a in args if a not in given and a not in ("-m", "--multirun")
             and override_key(a) not in ("hydra.run.dir", "hydra.sweep.dir")]
+    found = busy_job(folder) if (folder / "multirun.yaml").is_file() else None
+    holder = found[1] if found else results.folder_holder(folder)
+    if holder:
+        fail(f"resume={folder} is still running ({holder}); allowed: resume it once it has ended "
+             "(a signal stops it at a checkpoint: kill -TERM <pid>)")
     if (folder / "multirun.yaml").is_file():
         saved, mode, key = saved_overrides(folder / "multirun.yaml"), ["-m"], "hydra.sweep.dir"
     elif (folder / ".hydra" / "hydra.yaml").is_file():
@@ -389,18 +395,31 @@ def resume_command(run_dir: Path) -> str:
     return f"bfexp resume={folder}"
 
 
+def busy(key: str, folder: Path, holder: str) -> NoReturn:
+    """A folder where another live driver runs a job: one line, exit 2, nothing of it touched."""
+    fail(f"{key}={folder} is in use by a running bfexp ({holder}); allowed: a folder no running bfexp "
+         "writes to, or this one once that run has ended")
+
+
+def busy_job(sweep_dir: Path) -> tuple[Path, str] | None:
+    """A job folder of ``sweep_dir`` that a live driver holds, and who holds it."""
+    for lock in sorted(sweep_dir.glob(f"*/{results.LOCK}")):
+        holder = results.folder_holder(lock.parent)
+        if holder:
+            return lock.parent, holder
+    return None
+
+
 def run_job(cfg: Any) -> str:
     """One job: validate, dry-build, launch, report. Returns the job's status.
 
     Bad input ends the driver here (one line, exit 2, no folder left); a
     failed job is announced at once; in a sweep, a finished job's folder is
     skipped untouched, and fail_fast=true skips the jobs after a failed one.
+    The driver holds the job's folder (results.lock_folder) while it runs the job.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from bfexp.config import build, job_kind, label, validate
-    from bfexp.errors import ConfigError, LaunchError
 
     PHASES.mark("start: python, Hydra, compose")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -410,6 +429,20 @@ def run_job(cfg: Any) -> str:
     if passed:
         _job_statuses.append(passed)
         return passed
+    holder = results.lock_folder(run_dir)  # a single run's is held since on_run_start
+    if holder:
+        busy("hydra.sweep.dir" if sweep_dir else "hydra.run.dir", run_dir, holder)
+    try:
+        return checked_job(cfg, run_dir, sweep_dir)
+    finally:
+        results.unlock_folder(run_dir)
+
+
+def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
+    """``run_job``'s job in its held folder: validate, dry-build, launch, report."""
+    from bfexp.config import build, job_kind, label, validate
+    from bfexp.errors import ConfigError, LaunchError
+
     # SystemExit passes through Hydra untouched: one line, exit 2, no rank started on its work.
     early = None  # the job's ranks, started while the driver checks it (they wait for the word to go)
 
@@ -627,15 +660,27 @@ class RunFolders:
     before the job's code runs still leaves a summary saying so. Other moments: nothing."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        sweep = Path(str(config.hydra.sweep.dir))
         with refused_here():  # before Hydra makes the sweep folder
             check_output_folder(config, "sweep")
+            found = busy_job(sweep) if sweep.is_dir() else None
+            if found:  # nor writes multirun.yaml there
+                busy("hydra.sweep.dir", sweep, f"job {found[0].name}: {found[1]}")
             check_sweep(config)
-        _current["sweep_dir"] = Path(str(config.hydra.sweep.dir))
+        _current["sweep_dir"] = sweep
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        """The run folder is held from here, before Hydra writes its .hydra/ there."""
         with refused_here():  # before Hydra makes the run folder
             check_output_folder(config, "run")
-        _current["planned"] = (Path(str(config.hydra.run.dir)), config)
+        run_dir = Path(str(config.hydra.run.dir))
+        try:
+            holder = results.lock_folder(run_dir)
+        except OSError:  # a folder that cannot be made: Hydra's attempt says why
+            holder = None
+        if holder:
+            busy("hydra.run.dir", run_dir, holder)
+        _current["planned"] = (run_dir, config)
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         for key in ("run_dir", "cfg", "resume"):  # the sweep's previous job is over

@@ -3,16 +3,19 @@
 summary.json is replaced in one rename; metrics.jsonl grows one whole line
 per write, and readers skip a torn last line. The summary's identity and its
 one list of figures (with units in their names) live here; the report, the
-console table and the driver's progress read them from here.
+console table and the driver's progress read them from here. A run folder
+in use has one live driver, which holds its lock (``lock_folder``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -384,6 +387,84 @@ def disk_full(run_dir: str | os.PathLike) -> str | None:
     if free > RESERVE_BYTES:
         return None
     return f"no space left on the run folder's disk ({free} bytes free in {run_dir})"
+
+
+# ---------------------------------------------------------------- one live driver per run folder
+
+# In a run folder (a sweep's job folder) while a driver runs its job: an flock held for the driver's life, and
+# "pid N on HOST" in the file. The kernel drops the lock when its holder dies, so a lock a killed driver
+# left is free to take.
+LOCK = ".lock"
+_held: dict[str, int] = {}  # folder -> the open file that holds its lock (this process's)
+
+
+def lock_folder(folder: str | os.PathLike) -> str | None:
+    """Hold ``folder``'s lock (making the folder) until ``unlock_folder`` or this process ends. None once
+    held; who holds it (``pid N on HOST``) when another live process does. A file system without locks
+    (some network mounts) runs unguarded."""
+    folder = Path(folder)
+    key = str(folder.resolve())
+    if key in _held:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            return holder
+        except OSError:
+            os.close(fd)
+            return None
+        try:  # the holder removed the file between our open and our lock: lock the one there now
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held[key] = fd
+    return None
+
+
+def folder_holder(folder: str | os.PathLike) -> str | None:
+    """Who holds ``folder``'s lock (``pid N on HOST``) when another live process does, else None."""
+    path = Path(folder) / LOCK
+    if str(Path(folder).resolve()) in _held:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
+def unlock_folder(folder: str | os.PathLike) -> None:
+    """Give ``folder``'s lock back: its file goes first (whoever opened it meanwhile sees it gone)."""
+    fd = _held.pop(str(Path(folder).resolve()), None)
+    if fd is None:
+        return
+    try:
+        (Path(folder) / LOCK).unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+    return text if text.startswith("pid ") else "another process"
 
 
 def output_to(path: str | os.PathLike) -> None:

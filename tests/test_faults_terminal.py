@@ -1,0 +1,96 @@
+"""More faults on the runner (issue 29): a run folder in use, signals a terminal sends, a closed stdout.
+
+* a second run into the folder of a running one, and ``resume=`` of a running run or sweep, are refused
+  in one line (exit 2, the other driver's pid named) and touch nothing of it; once that driver is
+  killed, its stale lock is free to take;
+* SIGHUP (a closed terminal) stops the run as SIGTERM does: a summary, no space reserve left;
+* ``bfexp ... | head -1`` (stdout closed): the run goes on and writes its summary.
+
+Virtual ranks (engine=threads): the folder lock and the driver's signals are the same for every engine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from bfexp import results
+from tests.conftest import BFEXP
+
+LONG = ["engine=threads", "ranks=2", "steps=100000000", "logger=jsonl"]
+# A run that goes on, idle: rank 1 sleeps in its step-2 communication call, rank 0 waits for it.
+IDLE = ["engine=threads", "ranks=2", "steps=100", "logger=jsonl", "fail_rank=1", "fail_step=2", "fail_mode=hang",
+        "timeout_s=600"]
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out.pop("BFEXP_DEBUG", None)
+    return out
+
+
+def start(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
+    kw.setdefault("stdout", subprocess.DEVNULL)
+    kw.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(BFEXP + args, cwd=cwd, env=env(), text=True, **kw)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """The files of a run folder that its run does not rewrite while it trains (.hydra/, config.yaml)."""
+    names = [folder / "config.yaml", *sorted((folder / ".hydra").iterdir())]
+    return {str(p.relative_to(folder)): p.read_bytes() for p in names}
+
+
+def refused(proc: subprocess.CompletedProcess, pid: int, *words: str) -> None:
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert len(err.splitlines()) == 1 and f"pid {pid} " in err, err
+    for word in words:
+        assert word in err, err
+
+
+def test_a_busy_run_folder_is_refused_and_left_alone_then_taken_over_once_its_driver_died(tmp_path):
+    run, sweep = tmp_path / "run", tmp_path / "sweep"
+    first = start(IDLE + [f"hydra.run.dir={run}"], tmp_path)
+    swept = start(["-m"] + IDLE + ["lr=0.1,0.2", f"hydra.sweep.dir={sweep}"], tmp_path)
+    try:
+        wait_for(run / "config.yaml", first)
+        wait_for(sweep / "multirun.yaml", swept)
+        while not list(sweep.glob("0_*/config.yaml")):
+            assert swept.poll() is None, swept.communicate()[1][-2000:]
+            time.sleep(0.05)
+        job = next(sweep.glob("0_*"))
+        before, saved = snapshot(run), (sweep / "multirun.yaml").read_bytes()
+        tries = {  # what the other driver is, what is tried, and what the refusal says
+            "run": (first, ["engine=threads", "ranks=2", "steps=3", "lr=0.5", f"hydra.run.dir={run}"],
+                    [f"hydra.run.dir={run} is in use"]),
+            "resume run": (first, [f"resume={run}"], [f"resume={run} is still running"]),
+            "resume sweep": (swept, [f"resume={sweep}"], [f"resume={sweep} is still running"]),
+            "sweep": (swept, ["-m", "engine=threads", "ranks=2", "steps=3", "lr=0.1,0.3", f"hydra.sweep.dir={sweep}"],
+                      [f"hydra.sweep.dir={sweep} is in use", f"job {job.name}"]),
+        }
+        procs = {name: start(args, tmp_path, stdout=subprocess.PIPE) for name, (_, args, _) in tries.items()}
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            refused(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), tries[name][0].pid,
+                    *tries[name][2])
+        assert first.poll() is None and swept.poll() is None
+        assert snapshot(run) == before and (sweep / "multirun.yaml").read_bytes() == saved  # nothing touched
+    finally:
+        for proc in (first, swept):
+            proc.kill()
+            proc.wait()
+    # The killed driver's lock is stale: the next driver takes the folder (the CLI's own call).
+    assert results.lock_folder(run) is None and (run / ".lock").read_text().startswith(f"pid {os.getpid()} ")
+    results.unlock_folder(run)
+    assert not (run / ".lock").exists()
