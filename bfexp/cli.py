@@ -715,7 +715,11 @@ def main() -> None:
     """The `bfexp` command (``command``). Once torch is loaded it ends without the interpreter's
     final garbage collection, which then takes seconds (a stopped job must end promptly) and
     frees nothing the operating system does not. A crash of the driver (virtual ranks are its threads)
-    prints every thread's Python stack (faulthandler), so it can be told apart from a rank's error."""
+    prints every thread's Python stack (faulthandler), so it can be told apart from a rank's error.
+    Output to a pipe or terminal that closed goes nowhere; the run goes on (bfexp.signals)."""
+    from bfexp.signals import tolerate_closed_output
+
+    tolerate_closed_output()  # `bfexp ... | head -1`, a closed terminal: the run goes on, its summary written
     faulthandler.enable(all_threads=True)
     try:
         command(sys.argv[1:])
@@ -760,7 +764,7 @@ def command(args: list[str]) -> None:
     from bfexp.errors import Interrupted, LaunchError
     from bfexp.signals import SIGNALS
 
-    SIGNALS.install()  # SIGINT/SIGTERM/SIGUSR1: a running job stops at a checkpoint, otherwise we end here
+    SIGNALS.install()  # SIGINT/SIGTERM/SIGHUP/SIGUSR1: a running job stops at a checkpoint, otherwise we end here
     try:
         sys.argv[1:] = hydra_argument_order(resume_arguments(args))
         refuse_bad_flags(sys.argv[1:])

@@ -11,7 +11,9 @@ Virtual ranks (engine=threads): the folder lock and the driver's signals are the
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -94,3 +96,28 @@ def test_a_busy_run_folder_is_refused_and_left_alone_then_taken_over_once_its_dr
     assert results.lock_folder(run) is None and (run / ".lock").read_text().startswith(f"pid {os.getpid()} ")
     results.unlock_folder(run)
     assert not (run / ".lock").exists()
+
+
+def test_sighup_stops_the_run_like_sigterm_with_a_summary(tmp_path):
+    run = tmp_path / "run"
+    proc = start(LONG + ["log_every=20", f"hydra.run.dir={run}"], tmp_path)
+    wait_for(run / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGHUP, err[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and "SIGHUP" in summary["error"], summary
+    assert not (run / ".space_reserve").exists() and not (run / ".lock").exists()
+
+
+def test_a_closed_stdout_does_not_end_the_run(tmp_path):
+    """`bfexp ... | head -1`: the driver's next line meets a closed pipe (EPIPE); the run goes on to its summary."""
+    run = tmp_path / "run"
+    proc = start(["engine=threads", "ranks=2", "steps=400", "log_every=1", "baseline_steps=0", f"hydra.run.dir={run}"],
+                 tmp_path, stdout=subprocess.PIPE)
+    assert proc.stdout.readline()  # head -1
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, err[-2000:]
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert not (run / ".space_reserve").exists()
