@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from bfexp import OPERATIONS  # the package lists them, so that `import bfexp` needs no torch
-from bfexp.comm.engine import Engine
+from bfexp.comm.engine import Engine, forwards
 from bfexp.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -125,8 +125,11 @@ def init(engine: str | None = None, size: int | None = None) -> Engine:
 
             made: Engine = ThreadsEngine(ThreadWorld(1), 0)
         else:
+            from bfexp.watchdog import attach
+
             made = cls()
             atexit.register(_close_at_exit, made)
+            attach(made)  # under bfexp-run: the rank's heartbeat reports this engine's calls to its hang watchdog
         _check_matches(made, None, size)
         _process = made
         return made
@@ -204,6 +207,7 @@ def machine_size() -> int:
 def _operation(name: str) -> Callable[..., Any]:
     method = getattr(Engine, name)
 
+    @forwards  # a hang names the user's line, not this one
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         return getattr(engine(), name)(*args, **kwargs)
@@ -230,6 +234,7 @@ def spawn(
     ranks_per_machine: int = 0,
     prefix_output: bool = True,
     timeout: float | None = None,
+    supervise: Callable[[Any, str], None] | None = None,
 ) -> list[Any]:
     """Run ``target`` on ``size`` virtual ranks (threads of this process); return each rank's result.
 
@@ -242,14 +247,20 @@ def spawn(
     drawing as a script does gives the numbers the same script gets on MPI.
     A rank that raises ends the others (at their next communication) and its
     exception is re-raised here, noting the rank; ``prefix_output`` tags what
-    ranks print with ``[rank N]``.
+    ranks print with ``[rank N]``. ``supervise(world, key)``, when given, waits
+    for the ranks instead (bfexp-run's watch loop), their heartbeats under ``key``
+    (bfexp.watchdog.live_heartbeats).
     """
     from bfexp.comm.threads import RankAborted, ThreadWorld
 
+    from bfexp.watchdog import Heartbeat
+
     world = ThreadWorld(int(size), ranks_per_machine, one_at_a_time=True)
+    key = f"bf.spawn-{id(world)}"
 
     def rank_main(rank_engine: Engine) -> Any:
         _thread.engine = rank_engine
+        heartbeat = Heartbeat(rank_engine, Path(key), step=None) if supervise else None
         try:
             return run()
         except SystemExit as stop:  # a script's sys.exit(0) is a normal end
@@ -258,6 +269,8 @@ def spawn(
             raise
         finally:
             _thread.engine = None
+            if heartbeat is not None:
+                heartbeat.close()
 
     saved_threads, saved_argv, saved_path = torch.get_num_threads(), sys.argv, list(sys.path)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(size))))  # as each MPI rank gets
@@ -269,7 +282,9 @@ def spawn(
             run = functools.partial(target, *args, **(kwargs or {}))
         with streams:
             world.start(rank_main, name="bfexp-virtual-rank")
-            if not world.join(timeout):
+            if supervise is not None:
+                supervise(world, str(Path(key)))
+            elif not world.join(timeout):
                 world.abort(RankAborted(f"timed out after {timeout} s"))
                 world.join(10.0)
                 raise TimeoutError(f"virtual ranks {world.alive()} still running after {timeout} s")

@@ -24,9 +24,18 @@ engine=threads: the script runs N times as threads of this process
 (bfexp.api.spawn: one rank at a time between communication calls, each
 with its own global RNGs, so the same seed gives MPI's numbers).
 
+Nothing hangs, nothing leaks, as in the runner (bfexp.launch, bfexp.watchdog):
+every rank has a heartbeat (the communication call it is in, once the
+script's first bf call started its engine); a rank blocked in one call for
+``--timeout-s`` seconds (default: the runner's ``timeout_s``; 0: no bound)
+ends the launch, naming the rank and the call. Ranks whose bfexp-run is
+gone (SIGKILL) end themselves, and remove its temporary folder. A failing
+rank prints its traceback from the script's first frame on; bfexp-run then
+ends every rank (no MPI_Abort and its banner).
+
 Exit status: the script's (0 when every rank finished), 1 when a rank
-failed (the rank and its exception named on stderr), 128 + signal when
-interrupted, 2 for bad input (one line).
+failed or hung (the rank and its exception or call named on stderr), 128 +
+signal when interrupted, 2 for bad input (one line).
 """
 
 from __future__ import annotations
@@ -36,9 +45,11 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -46,7 +57,15 @@ from typing import Any, NoReturn, TextIO
 # The rank part finds its failure record folder here (set by the launcher).
 RUN_DIR_VARIABLE = "BFEXP_RUN_DIR"
 LOG_DIR_VARIABLE = "BFEXP_RUN_LOGS"
+HANG_VARIABLE = "BFEXP_RUN_TIMEOUT_S"  # the ranks beat their hearts often enough for it
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+# How long a failed rank waits for bfexp-run to end the launch before mpi4py's MPI_Abort does.
+FAILED_RANK_WAIT_S = 30.0
+# How long bfexp-run lets a failed rank's traceback reach the terminal before it ends the ranks.
+FAILURE_FLUSH_S = 0.5
+# The frames of the launch itself, above the script's first frame: not the user's to read.
+PLUMBING = (str(Path(__file__).resolve().parent) + os.sep, "<frozen runpy>", "runpy.py", f"{os.sep}mpi4py{os.sep}",
+            f"{os.sep}threading.py")
 
 
 # ------------------------------------------------------------------ the command line
@@ -59,7 +78,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     "--engine threads) with bfexp's environment and failure handling.",
         epilog="example: bfexp-run -n 4 python train.py --epochs 3",
     )
-    parser.add_argument("-n", "--np", dest="ranks", type=int, required=True, help="number of ranks")
+    from bfexp.config import Config
+
+    parser.add_argument("-n", "-np", "--np", dest="ranks", type=int, required=True, help="number of ranks")
+    parser.add_argument("--timeout-s", type=float, default=Config.timeout_s,
+                        help="end the launch when a rank waits in one communication call this long "
+                             f"(seconds; default {Config.timeout_s:g}, the runner's timeout_s; 0: no bound)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="machines and their slots, e.g. n1:4,n2:4 (mpirun over ssh)")
     where.add_argument("--hostfile", help="Open MPI hostfile: `host slots=N` a line")
@@ -72,6 +96,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ranks < 1:
         bad(f"-n {args.ranks}; allowed: an integer >= 1")
+    if not args.timeout_s >= 0 or args.timeout_s == float("inf"):
+        bad(f"--timeout-s {args.timeout_s:g}; allowed: a number of seconds >= 0 (0: no bound)")
     if not args.command:
         bad("no command; allowed: python SCRIPT ARGS, e.g. bfexp-run -n 4 python train.py")
     if args.engine == "threads" and (args.hosts or args.hostfile):
@@ -126,10 +152,11 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
     from bfexp import results
     from bfexp.comm import engine_class
     from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError, LaunchError
-    from bfexp.launch import ProcessRanks, watch
+    from bfexp.launch import ProcessRanks
     from bfexp.preflight import memory_fits, preflight
     from bfexp.sessions import launcher_environment
     from bfexp.signals import SIGNALS
+    from bfexp.watchdog import read_heartbeats
 
     try:
         launcher = launcher_for(args)
@@ -139,13 +166,11 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
         print(f"bfexp-run: {e}", file=sys.stderr)
         return EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT
     run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bfexp-run-"))
-    shutil.rmtree(run_dir / results.ERRORS_DIR, ignore_errors=True)  # a rerun into the same folder starts clean
+    for folder in (results.ERRORS_DIR, watchdog_folder()):  # a rerun into the same folder starts clean
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     program = [python, "-m", "mpi4py", "-m", "bfexp.run", "--rank", *target, *script_args]
-    env = launcher_environment(launcher, args.ranks)
-    env[RUN_DIR_VARIABLE] = str(run_dir)
-    if args.log_dir:
-        env[LOG_DIR_VARIABLE] = str(Path(args.log_dir).resolve())
+    env = launcher_environment(launcher, args.ranks) | driver_environment(args, run_dir)
     with SIGNALS.job() as signals:
         start = len(signals.received)
         # With --log-dir, mpiexec's own words (a rank killed by a signal, MPI_Abort) go beside the ranks' logs.
@@ -153,22 +178,79 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
         ranks = ProcessRanks(subprocess.Popen(launcher.command(args.ranks, program), stdin=subprocess.DEVNULL,
                                               stdout=log, stderr=log, env=env, start_new_session=True), run_dir)
         try:
-            watch(ranks, lambda: "a signal" if signals.since(start) else None)  # a signal ends the ranks at once
+            reason = supervise(ranks, args, lambda: "a signal" if signals.since(start) else None,
+                               lambda: read_heartbeats(run_dir), processes=True)
         finally:
             ranks.end("the launch is over")  # mpiexec's whole session: no rank outlives the launch
             if log is not None:
                 log.close()
     errors = results.rank_errors(run_dir)
+    shutil.rmtree(run_dir / watchdog_folder(), ignore_errors=True)
     if not args.log_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
-    sig = signals.since(start)
+    return verdict(args, signals.since(start), errors, reason, ranks.proc.returncode)
+
+
+def watchdog_folder() -> str:
+    from bfexp.watchdog import HEARTBEAT_DIR
+
+    return HEARTBEAT_DIR
+
+
+def driver_environment(args: argparse.Namespace, run_dir: Path) -> dict[str, str]:
+    """What every rank needs of bfexp-run: where to record a failure and beat its heart, and who its driver is
+    (ranks whose bfexp-run is gone end themselves, and remove its temporary folder)."""
+    from bfexp import watchdog
+
+    env = {RUN_DIR_VARIABLE: str(run_dir.resolve()), watchdog.DRIVER_PID: str(os.getpid()),
+           watchdog.DRIVER_HOST: socket.gethostname(), HANG_VARIABLE: str(args.timeout_s)}
+    if args.log_dir:
+        env[LOG_DIR_VARIABLE] = str(Path(args.log_dir).resolve())
+    else:
+        env[watchdog.DRIVER_SCRATCH] = str(run_dir.resolve())
+    return env
+
+
+def supervise(ranks: Any, args: argparse.Namespace, stopped: Any, read: Any, processes: bool) -> str | None:
+    """The runner's watch loop over the ranks, until they end or a reason to end them (returned): ``stopped``
+    (a stop signal), a rank that failed (once its traceback had time to reach the terminal), or a hang
+    (heartbeats from ``read``: process ranks' files, or virtual ranks' threads)."""
+    from bfexp.launch import watch
+    from bfexp.watchdog import Watchdog
+
+    hangs = Watchdog(args.timeout_s, args.ranks, read, processes=processes)
+    failed_at: list[float] = []
+
+    def stop() -> str | None:
+        if ranks.failed():
+            failed_at[:1] = failed_at[:1] or [time.monotonic()]
+            if time.monotonic() - failed_at[0] >= FAILURE_FLUSH_S:
+                return "a rank failed"
+        stuck = hangs.check()
+        if stuck:
+            if processes:  # faulthandler in each rank, into its output
+                ranks.dump_stacks(hangs.latest)
+            where = f"{args.log_dir}/rank<N>.log" if args.log_dir else "the ranks' output above"
+            return hangs.describe(stuck, ranks.waits() if ranks.waits else None, stacks=where if processes else None)
+        return stopped()
+
+    return watch(ranks, stop)
+
+
+def verdict(args: argparse.Namespace, sig: int | None, errors: list[dict], reason: str | None,
+            returncode: int | None) -> int:
+    """bfexp-run's exit status, and its one line on stderr: a signal, a rank's failure, a hang, an exit code."""
+    from bfexp import results
+
     if sig:
         print(f"bfexp-run: interrupted by {signal.Signals(sig).name}; the ranks were ended", file=sys.stderr)
         return 128 + sig
     if errors:
         print(f"bfexp-run: {results.describe_errors(errors)}", file=sys.stderr)
         return 1
-    returncode = ranks.proc.returncode
+    if reason and reason.startswith("hung"):
+        print(f"bfexp-run: {reason}", file=sys.stderr)
+        return 1
     if returncode:
         where = f"; the ranks' output is in {args.log_dir}" if args.log_dir else ""
         print(f"bfexp-run: the ranks exited with code {returncode}{where}", file=sys.stderr)
@@ -189,7 +271,14 @@ def rank_main(argv: list[str]) -> None:
         from bfexp.results import output_to
 
         output_to(Path(log_dir) / f"rank{rank}.log")
-    else:
+    if os.environ.get(RUN_DIR_VARIABLE):  # under bfexp-run: its watchdog reads this rank's heartbeat
+        from bfexp import watchdog
+
+        timeout = float(os.environ.get(HANG_VARIABLE) or 0)
+        watchdog.enable_stack_dumps()
+        watchdog.Heartbeat(watchdog.NoEngine(rank), Path(os.environ[RUN_DIR_VARIABLE]),
+                           period_s=min(1.0, timeout / 4) if timeout else 1.0, step=None)
+    if not log_dir:
         sys.stdout, sys.stderr = _Tagged(sys.stdout, rank), _Tagged(sys.stderr, rank)
     sys.argv = [argv[1] if argv[0] == "-m" else argv[0], *argv[(2 if argv[0] == "-m" else 1):]]
     try:
@@ -200,26 +289,46 @@ def rank_main(argv: list[str]) -> None:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
         if stop.code not in (None, 0):
-            _record(rank, stop)
+            _failed(rank, stop)
         raise
     except BaseException as exc:
-        _record(rank, exc)
+        _failed(rank, exc)
         raise  # mpi4py's runner turns this into MPI_Abort: every rank ends
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
 
 
-def _record(rank: int, exc: BaseException) -> None:
+def _failed(rank: int, exc: BaseException) -> None:
+    """Under bfexp-run (in the ``except`` block): the traceback from the script's first frame on, the record
+    bfexp-run reads back (the runner's), then wait for bfexp-run to end every rank (quietly, unlike MPI_Abort).
+    Under a plain mpiexec: nothing (mpi4py's runner prints the traceback and aborts)."""
     run_dir = os.environ.get(RUN_DIR_VARIABLE)
     if not run_dir:
         return
-    from bfexp.results import record_failure  # the runner's record, which bfexp-run reads back
+    from bfexp.results import record_failure
 
+    if not isinstance(exc, SystemExit):
+        sys.stderr.write(user_traceback(exc))
+    sys.stderr.flush()
     try:
         record_failure(Path(run_dir), rank, exc)
     except OSError:
-        pass
+        return
+    time.sleep(FAILED_RANK_WAIT_S)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback from the script's first frame on: the launch's own frames above it (runpy, mpi4py,
+    bfexp-run, the virtual ranks' threads) are not the user's to read."""
+    def plumbing(filename: str) -> bool:
+        return filename.startswith(PLUMBING[0]) or any(p in filename for p in PLUMBING[1:])
+
+    tb = traceback.TracebackException.from_exception(exc)
+    frames = list(tb.stack)
+    first = next((i for i, f in enumerate(frames) if not plumbing(f.filename)), 0)
+    tb.stack = traceback.StackSummary.from_list(frames[first:])
+    return "".join(tb.format())
 
 
 class _Tagged:
@@ -251,6 +360,11 @@ class _Tagged:
 # ------------------------------------------------------------------ engine=threads
 
 
+class Hung(Exception):
+    """Virtual ranks that the hang watchdog found stuck (the message names them and their calls)."""
+
+
+
 def launch_threads(args: argparse.Namespace, target: list[str], script_args: list[str]) -> int:
     import contextlib
     import runpy
@@ -268,14 +382,28 @@ def launch_threads(args: argparse.Namespace, target: list[str], script_args: lis
     else:
         job = target[0]  # bf.spawn runs the script as __main__ (and sets sys.argv)
     output = routed_output(Path(args.log_dir)) if args.log_dir else contextlib.nullcontext()
+
+    def watched(world: Any, key: str) -> None:  # the runner's watch loop, with its hang watchdog
+        from bfexp.launch import ThreadRanks
+        from bfexp.watchdog import live_heartbeats
+
+        reason = supervise(ThreadRanks(world, Path(key)), args, lambda: None, lambda: live_heartbeats(key),
+                           processes=False)
+        if reason and reason.startswith("hung"):
+            raise Hung(reason)
+
     try:
         with output:
-            api.spawn(job, args.ranks, script_args if target[0] != "-m" else (), prefix_output=not args.log_dir)
+            api.spawn(job, args.ranks, script_args if target[0] != "-m" else (), prefix_output=not args.log_dir,
+                      supervise=watched)
     except KeyboardInterrupt:
         print("bfexp-run: interrupted; the virtual ranks were ended", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Hung as hung:
+        print(f"bfexp-run: {hung}", file=sys.stderr)
+        return 1
     except BaseException as exc:  # noqa: BLE001 - a rank's failure, whatever it is
-        traceback.print_exception(exc)
+        sys.stderr.write(user_traceback(exc))
         rank = getattr(exc, "bfexp_rank", "?")
         message = str(exc).splitlines()[0] if str(exc) else ""
         print(f"bfexp-run: rank {rank}: {type(exc).__name__}: {message}", file=sys.stderr)

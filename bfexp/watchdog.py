@@ -15,7 +15,7 @@ The driver's Watchdog declares a job hung when a rank has sat inside one
 communication call, its counter unmoved, for ``timeout_s`` seconds (a rank
 stuck in a collective, a deadlocked window, a peer that died without MPI
 noticing), or a process rank has not written its heartbeat for that long
-(frozen), or has not started within max(timeout_s, STARTUP_S). Every rank
+(frozen; once its engine runs), or has not started within max(timeout_s, STARTUP_S). Every rank
 then dumps its Python stack into its log (process ranks: faulthandler on
 SIGUSR2; virtual ranks: faulthandler's text of the driver's threads, once
 the job is known to be stuck, cut into each rank's log), and the
@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from bfexp import results
 
-__all__ = ["Heartbeat", "Watchdog", "at_step", "enable_stack_dumps", "read_heartbeats"]
+__all__ = ["Heartbeat", "NoEngine", "Watchdog", "at_step", "attach", "enable_stack_dumps", "read_heartbeats"]
 
 HEARTBEAT_DIR = "heartbeat"
 RECORD_BYTES = 1024  # one heartbeat, padded: rewritten in place, it never needs a new disk block
@@ -57,6 +57,8 @@ SILENT_S = 2.0  # a process rank beats at least every second: silent this long, 
 DUMP_SIGNAL = signal.SIGUSR2
 DRIVER_PID = "BFEXP_DRIVER_PID"
 DRIVER_HOST = "BFEXP_DRIVER_HOST"
+# A folder of the driver's that its ranks remove when it is gone (bfexp-run's temporary run folder).
+DRIVER_SCRATCH = "BFEXP_DRIVER_SCRATCH"
 PROCESS_ONLY_MODES = ("kill", "freeze")  # a virtual rank is a thread: these would hit the whole driver
 # Ranks started while the driver finishes its checks wait for this file to say "go" (or "stop").
 GATE = "BFEXP_GATE"
@@ -70,15 +72,26 @@ _live_lock = threading.Lock()
 # ---------------------------------------------------------------- a rank's heartbeat
 
 
-class Heartbeat:
-    """A rank's progress as the driver sees it (see the module doc). Create it in the rank's own thread."""
+class NoEngine:
+    """The engine of a rank whose program starts it later (bfexp-run's ranks: the script's first bf call);
+    ``attach`` puts the real one in its place."""
 
-    def __init__(self, engine: Any, run_dir: Path, period_s: float = 1.0) -> None:
+    virtual, activity, comm_time_s = False, None, 0.0
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+class Heartbeat:
+    """A rank's progress as the driver sees it (see the module doc). Create it in the rank's own thread.
+    ``step``: None for a program with no steps the driver counts (bfexp-run's)."""
+
+    def __init__(self, engine: Any, run_dir: Path, period_s: float = 1.0, step: int | None = 0) -> None:
         self.engine = engine
         self.rank = int(engine.rank)
         self.run_dir = Path(run_dir)
         self.thread_id = threading.get_ident()
-        self.step = 0
+        self.step = step
         self.period_s = period_s
         self.host = socket.gethostname()
         self._stop = threading.Event()
@@ -94,7 +107,8 @@ class Heartbeat:
         activity = self.engine.activity  # one read: the rank may leave the call meanwhile
         return {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": self.step,
                 "comm_time_s": float(self.engine.comm_time_s), "op": activity.op if activity else None,
-                "where": _where(activity) if activity else None, "time": time.time()}
+                "where": _where(activity) if activity else None, "time": time.time(),
+                "engine": not isinstance(self.engine, NoEngine)}
 
     def _write_loop(self) -> None:
         folder = self.run_dir / HEARTBEAT_DIR
@@ -104,8 +118,9 @@ class Heartbeat:
         first = True
         while first or not self._stop.wait(self.period_s):
             first = False
-            if driver and local_driver and not _alive(driver):
-                os._exit(70)  # the driver is gone (killed): nobody will collect this job, leave no orphan
+            if driver and local_driver and not _alive(driver):  # the driver is gone (killed): nobody will
+                shutil.rmtree(os.environ.get(DRIVER_SCRATCH) or os.devnull, ignore_errors=True)  # collect this
+                os._exit(70)  # job; leave no orphan, nor the driver's scratch folder
             try:
                 if fd is None:
                     folder.mkdir(parents=True, exist_ok=True)
@@ -137,6 +152,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def attach(engine: Any) -> None:
+    """This thread's process rank started its engine after its heartbeat (a NoEngine): report its calls."""
+    hb = getattr(_local, "heartbeat", None)
+    if hb is not None and isinstance(hb.engine, NoEngine) and not engine.virtual:
+        hb.engine = engine
 
 
 def wait_at_gate(poll_s: float = 0.02) -> bool:
@@ -223,7 +245,7 @@ class Watchdog:
     def training_started(self) -> bool:
         """Whether some rank has finished a training step (heartbeats read now)."""
         self.latest.update(self.read())
-        return any(int(h.get("step", 0)) >= 1 for h in self.latest.values())
+        return any(int(h.get("step") or 0) >= 1 for h in self.latest.values())
 
     def check(self, now: float | None = None) -> list[dict] | None:
         now = time.monotonic() if now is None else now
@@ -243,7 +265,9 @@ class Watchdog:
             if hb.get("time") != stamp:
                 self._seen[rank] = (hb.get("time"), now)
                 changed = now
-            if self.processes and now - changed > SILENT_S:
+            # Silence counts once the rank's engine runs: before, its program may still be importing (torch
+            # loads its libraries holding the interpreter for seconds: the heartbeat thread cannot run).
+            if self.processes and hb.get("engine", True) and now - changed > SILENT_S:
                 stalled.append(dict(hb, why="no heartbeat (the process is frozen or gone)", stalled_s=now - changed))
                 continue
             if hb.get("op") is None:
@@ -259,8 +283,10 @@ class Watchdog:
             return stalled
         return None
 
-    def describe(self, stuck: list[dict], waits: dict[int, tuple[str, list[int]]] | None = None) -> str:
-        """One line: which ranks, in which call, at which step; who waits for whom (virtual ranks)."""
+    def describe(self, stuck: list[dict], waits: dict[int, tuple[str, list[int]]] | None = None,
+                 stacks: str | None = "logs/rank<N>.log") -> str:
+        """One line: which ranks, in which call, at which step; who waits for whom (virtual ranks); where
+        their ``stacks`` went."""
         groups: dict[tuple, list[int]] = {}
         for s in stuck:
             key = (s["why"], s.get("op"), s.get("where"), s.get("step"))
@@ -281,9 +307,10 @@ class Watchdog:
                 waiters.setdefault(q, []).append(rank)
         for q, ranks in sorted(waiters.items()):
             if q not in waits:  # the ones everybody waits for, themselves waiting for nobody
-                parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} wait for rank {q}")
+                parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} "
+                             f"for rank {q}")
         return f"hung: no progress for timeout_s={self.timeout_s:g} s; " + "; ".join(parts) + \
-            "; Python stacks in logs/rank<N>.log"
+            (f"; Python stacks in {stacks}" if stacks else "")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -144,6 +144,7 @@ __all__ = [
     "DstWeights",
     "Engine",
     "Handle",
+    "forwards",
     "NeighborSpec",
     "Pending",
     "TensorOrList",
@@ -184,11 +185,21 @@ class Activity(tuple):
         return f"{path[len(root):] if root and path.startswith(root) else path}:{line} in {code.co_name}"
 
 
+_FORWARDERS: set[Any] = set()  # code of functions that only pass an operation on (``forwards``)
+
+
+def forwards(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``function`` as one that only passes an operation on (``bf.allreduce`` calls the engine's): the call
+    site an activity names is its caller's (the user's script), not its own line."""
+    _FORWARDERS.add(function.__code__)
+    return function
+
+
 def _call_site(depth: int) -> Any:
     """The frame ``depth`` levels above the caller, past wrappers named ``wait`` (an algorithm's own
-    wait(handle) helper). The calling thread's own frames only."""
+    wait(handle) helper) and ``forwards`` functions. The calling thread's own frames only."""
     frame = sys._getframe(depth + 1)
-    while frame.f_code.co_name == "wait" and frame.f_back is not None:
+    while (frame.f_code.co_name == "wait" or frame.f_code in _FORWARDERS) and frame.f_back is not None:
         frame = frame.f_back
     return frame
 
@@ -206,6 +217,8 @@ def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
         if self.activity is not None:
             return method(self, *args, **kwargs)
         site = sys._getframe(1)
+        while site.f_code in _FORWARDERS and site.f_back is not None:  # bf.allreduce: its caller's line
+            site = site.f_back
         self.activity = Activity(name, site.f_code, site.f_lineno)
         try:
             if communicates and self.fault is not None:
