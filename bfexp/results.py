@@ -425,9 +425,12 @@ def lock_folder(folder: str | os.PathLike) -> str | None:
         except FileNotFoundError:
             pass
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held[key] = fd
+    try:  # who holds it, for the refusal's message (a full disk: held all the same)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass
     return None
 
 
