@@ -65,6 +65,7 @@ def test_a_busy_run_folder_is_refused_and_left_alone_then_taken_over_once_its_dr
     run, sweep = tmp_path / "run", tmp_path / "sweep"
     first = start(IDLE + [f"hydra.run.dir={run}"], tmp_path)
     swept = start(["-m"] + IDLE + ["lr=0.1,0.2", f"hydra.sweep.dir={sweep}"], tmp_path)
+    procs: dict[str, subprocess.Popen] = {}
     try:
         wait_for(run / "config.yaml", first)
         wait_for(sweep / "multirun.yaml", swept)
@@ -81,15 +82,15 @@ def test_a_busy_run_folder_is_refused_and_left_alone_then_taken_over_once_its_dr
             "sweep": (swept, ["-m", "engine=threads", "ranks=2", "steps=3", "lr=0.1,0.3", f"hydra.sweep.dir={sweep}"],
                       [f"hydra.sweep.dir={sweep} is in use", f"job {job.name}"]),
         }
-        procs = {name: start(args, tmp_path, stdout=subprocess.PIPE) for name, (_, args, _) in tries.items()}
+        procs.update({name: start(args, tmp_path, stdout=subprocess.PIPE) for name, (_, args, _) in tries.items()})
         for name, proc in procs.items():
             out, err = proc.communicate(timeout=120)
             refused(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), tries[name][0].pid,
                     *tries[name][2])
         assert first.poll() is None and swept.poll() is None
         assert snapshot(run) == before and (sweep / "multirun.yaml").read_bytes() == saved  # nothing touched
-    finally:
-        for proc in (first, swept):
+    finally:  # a try that was not refused (today's main) may still run: nothing outlives the test
+        for proc in (first, swept, *procs.values()):
             proc.kill()
             proc.wait()
     # The killed driver's lock is stale: the next driver takes the folder (the CLI's own call).
@@ -101,9 +102,12 @@ def test_a_busy_run_folder_is_refused_and_left_alone_then_taken_over_once_its_dr
 def test_sighup_stops_the_run_like_sigterm_with_a_summary(tmp_path):
     run = tmp_path / "run"
     proc = start(LONG + ["log_every=20", f"hydra.run.dir={run}"], tmp_path)
-    wait_for(run / "metrics.jsonl", proc)
-    proc.send_signal(signal.SIGHUP)
-    _, err = proc.communicate(timeout=60)
+    try:
+        wait_for(run / "metrics.jsonl", proc)
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 128 + signal.SIGHUP, err[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and "SIGHUP" in summary["error"], summary
@@ -115,9 +119,12 @@ def test_a_closed_stdout_does_not_end_the_run(tmp_path):
     run = tmp_path / "run"
     proc = start(["engine=threads", "ranks=2", "steps=400", "log_every=1", "baseline_steps=0", f"hydra.run.dir={run}"],
                  tmp_path, stdout=subprocess.PIPE)
-    assert proc.stdout.readline()  # head -1
-    proc.stdout.close()
-    err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 0, err[-2000:]
+    try:
+        assert proc.stdout.readline()  # head -1
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 0, err[-2000:]
+    finally:
+        proc.kill()
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert not (run / ".space_reserve").exists()
