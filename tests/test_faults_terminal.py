@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -128,3 +129,13 @@ def test_a_closed_stdout_does_not_end_the_run(tmp_path):
         proc.kill()
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert not (run / ".space_reserve").exists()
+
+
+def test_under_nohup_sighup_stays_ignored():
+    """`nohup bfexp ...` asks to outlive the terminal: the driver leaves SIGHUP ignored (and handles it otherwise)."""
+    code = ("import signal, sys\nfrom bfexp.signals import Signals\n"
+            "if sys.argv[1] == 'nohup':\n    signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "Signals().install()\nprint(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)")
+    for mode, ignored in (("nohup", "True"), ("terminal", "False")):
+        out = subprocess.run([sys.executable, "-c", code, mode], env=env(), capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == ignored, (mode, out.stdout, out.stderr)
