@@ -36,6 +36,7 @@ skipped untouched, an unfinished one reruns there, from its checkpoint.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -318,6 +319,8 @@ class Checkpointer:
         written, stops = gather_floats(self.engine, 0.0 if problem else 1.0, wanted)
         missing = [r for r, ok in enumerate(written) if ok != 1.0]
         if missing:
+            if self.engine.rank == 0:  # every rank is past its write: the uncommitted step's files go
+                shutil.rmtree(self._folder(step), ignore_errors=True)
             raise OSError(f"checkpoint at step {step} not written on rank(s) {', '.join(map(str, missing))}"
                           + (f": {problem}" if problem else ""))
         if self.engine.rank == 0:
@@ -346,16 +349,20 @@ class Checkpointer:
         folder = self._folder(step)
         path = folder / f"rank{self.engine.rank}.pt"
         tmp = folder / f".rank{self.engine.rank}.pt.tmp"
+        # Serialized in memory first: torch's writer turns a full disk into "unexpected pos ..." (a
+        # RuntimeError), while a plain write says ENOSPC/EFBIG as an OSError that names the file.
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                torch.save(state, f)
+                f.write(buffer.getbuffer())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            return f"{type(e).__name__}: {e}"
+            tmp.unlink(missing_ok=True)  # no partial file stays behind
+            return f"{e.strerror or type(e).__name__} writing {path.relative_to(self.run_dir)} ({len(buffer.getbuffer())} bytes)"
         return None
 
     def _commit(self, step: int) -> None:

@@ -96,6 +96,11 @@ def cases() -> list[Case]:
                         metrics=False))
         out.append(Case(engine, "disk-full", base + ["steps=100000000", "log_every=1", "checkpoint_every=100"],
                         disk=True))
+    # The disk fills while the ranks write a checkpoint (each rank's file ~1.6 MB > the room left; metrics fit):
+    # the error names the checkpoint and the rank, and no partial or uncommitted checkpoint file is left.
+    out.append(Case("mpi", "disk-full-at-checkpoint", ["engine=mpi", "ranks=2", "steps=100000000", "log_every=5",
+                                                       "checkpoint_every=20", "model=mlp", "model.hidden=[512,512]"],
+                    disk=True, words=("checkpoint at step 20 not written on rank(s)", "writing checkpoint/step20")))
     return out
 
 
@@ -208,7 +213,9 @@ def run_case(case: Case, root: Path, cache: Path) -> dict:
     logs = {p.name: p.read_text(errors="replace") for p in (run / "logs").glob("*.log")} if (run / "logs").exists() else {}
     outcome = {"rc": rc, "fault_at": fault_at, "took_s": None if fault_at is None else ended - fault_at,
                "summary_text": summary_text, "summary": summary, "records": len(records(run)), "leftover": leftover,
-               "logs": logs, "stderr": (folder / "stderr").read_text(errors="replace")[-2000:], "disk": disk}
+               "logs": logs, "stderr": (folder / "stderr").read_text(errors="replace")[-2000:], "disk": disk,
+               "checkpoint_files": sorted(str(p.relative_to(run)) for p in (run / "checkpoint").rglob("*")
+                                          if p.is_file()) if (run / "checkpoint").exists() else []}
     if disk == "tmpfs":
         subprocess.run(["umount", "-l", str(run)], capture_output=True)
     return outcome
@@ -263,6 +270,7 @@ def test_fault(matrix, case_id):
         assert word in (summary.get("error") or ""), (word, context)
     if case.disk:  # a tmpfs says "No space left"; the file-size limit (no mount allowed) "File too large"
         assert re.search(r"space|too large", summary.get("error") or "", re.I), context
+        assert not [f for f in got["checkpoint_files"] if f.endswith(".tmp") or "step20" in f], got["checkpoint_files"]
     if case.metrics:
         assert got["records"] >= 1, "the metrics logged before the fault are gone"
     if summary["status"] == "interrupted":
