@@ -8,6 +8,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BFEXP = [sys.executable, "-m", "bfexp.cli"]
 
+# The suite's processes (two pytest workers, the jobs and ranks they start) outnumber the cores they
+# share. torch's OpenMP threads (libgomp) spin while they wait for one another by default, burning the
+# core a descheduled peer needs: a 1-rank job's two-thread steps took 40 s instead of 11 s beside two
+# busy processes. Passive threads sleep instead. Set here, before this process imports torch; the jobs
+# and ranks inherit it. A value the user set stands.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def run_bfexp(args: list[str], cwd: Path, timeout: float = 240.0, **kw) -> subprocess.CompletedProcess:
     """Run the real CLI in `cwd` (its outputs/ and multirun/ land there)."""
