@@ -228,7 +228,8 @@ KINDS: dict[str, tuple[tuple[str, ...], bool, str]] = {
     "dataset": (("bfexp.data.Dataset",), False, "a subclass of bfexp.data.Dataset"),
     "algorithm": (("bfexp.algorithms.base.DecentralizedOptimizer",), False,
                   "a subclass of bfexp.algorithms.DecentralizedOptimizer"),
-    "topology": (("bfexp.topology.base.Topology",), False, "a subclass of bfexp.topology.Topology"),
+    "topology": (("bfexp.topology.base.Topology",), True,
+                 "a subclass of bfexp.topology.Topology or a function returning one"),
     "launcher": (("bfexp.launchers.base.Launcher",), False, "a subclass of bfexp.launchers.Launcher"),
     "logger": (("bfexp.loggers.Logger",), False, "a subclass of bfexp.loggers.Logger"),
 }

@@ -31,21 +31,18 @@ DIRECTED = {"_target_": "bfexp.topology.FileTopology", "path": "directed.npy", "
 TOP_K = {"_target_": "bfexp.compression.TopK", "ratio": 0.3}
 
 
-def exact_diffusion_note(label: str) -> str:
-    return (f"algorithm=exact_diffusion needs a symmetric doubly stochastic W; topology={label} with weights=uniform "
-            f"is not, so it runs on undirected_{label} with weights=metropolis (Metropolis-Hastings)")
-
-
-EXACT_DIFFUSION_NOTE = exact_diffusion_note("file(directed.npy)")
 COLUMN_STAR = ("star", {"weights": "column"})  # rows of W sum to 4/3 at the center: not row stochastic
 
 
 # (algorithm, options as a script gives them, topology: (name, options) or a node, expected):
 # expected = ("built", rule class, compressor, topology it runs on, notes) or ("refused", error type, text).
 CASES = {
+    # A graph whose direction the user stated (direction=out) and that has one-way edges is declared directed,
+    # as ring directed=true is: refused alike (issue 29), not run on its undirected form.
     "exact_diffusion on a directed user graph": (
         "exact_diffusion", {}, DIRECTED,
-        ("built", "ExactDiffusion", None, "undirected_file(directed.npy)", [EXACT_DIFFUSION_NOTE])),
+        ("refused", "TopologyMismatch", "algorithm=exact_diffusion needs a symmetric doubly stochastic W; "
+                                        "topology=file(directed.npy) is declared directed and has no undirected form")),
     "exact_diffusion on a ring declared directed": (
         "exact_diffusion", {}, ("ring", {"directed": True}),
         ("refused", "TopologyMismatch", "algorithm=exact_diffusion needs a symmetric doubly stochastic W; "
@@ -189,14 +186,17 @@ def test_every_door_builds_warns_and_refuses_alike(case, door, in_folder_with_gr
 
 
 @pytest.mark.parametrize("door", ["library", "bluefog"])
-def test_a_directed_adjacency_topology_object_warns_in_both_libraries(door):
-    """The object a script makes (AdjacencyTopology), which no config can carry: the same warning."""
+def test_a_directed_adjacency_topology_object_is_refused_in_both_libraries(door):
+    """The object a script makes (AdjacencyTopology), which no config can carry: the same refusal."""
     from bfexp.topology import AdjacencyTopology
 
     topology = AdjacencyTopology(CYCLE, direction="out")
     outcomes, said = DOORS[door]("exact_diffusion", {}, (topology, {}))
-    assert set(outcomes) == {("built", "ExactDiffusion", None, "undirected_adjacency(direction=out)")}
-    assert said == [exact_diffusion_note("adjacency(direction=out)")] * RANKS
+    # Declared directed (direction=out, one-way edges): refused as ring directed=true is, on every rank alike.
+    assert len(set(outcomes)) == 1 and outcomes[0][:2] == ("refused", "TopologyMismatch"), outcomes
+    assert outcomes[0][2].startswith("algorithm=exact_diffusion needs a symmetric doubly stochastic W; "
+                                     "topology=adjacency(direction=out) is declared directed and has no undirected form")
+    assert said == []
 
 
 # ------------------------------------------------------------------ the broadcasts

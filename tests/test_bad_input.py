@@ -277,7 +277,7 @@ RUNNER = textwrap.dedent("""
         folder = Path(case["folder"])
         folder.mkdir(parents=True)
         (folder / "afile").write_text("a file, not a folder")
-        for name, data in case["files"].items():  # the case's own files (latin-1: bytes as text)
+        for name, data in case.get("files", {}).items():  # the case's own files (latin-1: bytes as text)
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_bytes(data.encode("latin-1"))
         given = {p for p in folder.rglob("*")}
