@@ -8,6 +8,7 @@ and the test receives the list of results indexed by rank.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -49,3 +50,20 @@ def run_ranks(n: int, code: str, tmp_path: Path, timeout: float = 120.0, env: di
         path = out / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
     return results
+
+
+def live_processes(*words: str) -> dict[int, str]:
+    """Live (not zombie) processes other than this one whose command line holds every word: {pid: command line}.
+    What fault tests look for after a job or launch ended (ranks, prterun)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if all(word in cmdline for word in words) and state != "Z":
+            found[int(entry.name)] = cmdline
+    return found

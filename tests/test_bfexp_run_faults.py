@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from bfexp import run
+from tests.mpi_helpers import live_processes
 
 TIMEOUT_S = 3.0
 HANG = """\
@@ -56,18 +57,7 @@ def launch(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
 
 def live(word: str) -> list[str]:
     """Live (not zombie) processes whose command line has ``word``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            continue
-        if word in cmdline and state != "Z":
-            found.append(f"{entry.name} {cmdline}")
-    return found
+    return [f"{pid} {cmdline}" for pid, cmdline in live_processes(word).items()]
 
 
 def hang(folder: Path, engine: str) -> dict:

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BFEXP
+from tests.mpi_helpers import live_processes
 
 FAULT_BUDGET_S = 10.0  # a job ends within this of its fault
 HANG_TIMEOUT_S = 3.0  # timeout_s of the hang cases: they end within this + FAULT_BUDGET_S
@@ -112,18 +113,7 @@ CASES = cases()
 
 def worker_processes(run_dir: Path) -> list[int]:
     """Live processes running a rank (bfexp.worker) of this run folder."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            continue
-        if "bfexp.worker" in cmdline and str(run_dir) in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
+    return list(live_processes("bfexp.worker", str(run_dir)))
 
 
 def small_disk(folder: Path) -> str:
