@@ -101,7 +101,8 @@ def blamed(stderr: str, spans: list[tuple[int, int, str]], keep: Path) -> list[s
         ptx = next(keep.glob(Path(ptx_name).name), None) or next(keep.glob("*.ptx"), None)
         if ptx is None:
             continue
-        entries = [m for m in re.finditer(r"\.entry (\w+)", ptx.read_text()) if ptx.read_text().count("\n", 0, m.start()) < int(line)]
+        text = ptx.read_text()
+        entries = [m for m in re.finditer(r"\.entry (\w+)", text) if text.count("\n", 0, m.start()) < int(line)]
         if entries:
             kernel = entries[-1].group(1)
             names += [label(*form) for form in K.forms(INPUTS) if K.kernel_name(*form) == kernel]
