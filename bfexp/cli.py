@@ -16,7 +16,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from bfexp import checkpoint, results
 from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_JOB_FAILED
@@ -122,12 +122,17 @@ def foreign(target: Any) -> bool:
     return not str(getattr(target, "__module__", "")).startswith("bfexp.")
 
 
-def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> list[str]:
+class DryBuild(NamedTuple):
+    notes: list[str]  # for the user, e.g. a substituted topology
+    steps: int | None  # the steps the job runs (``epochs``: from its data set; None: the data set cannot say)
+
+
+def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> DryBuild:
     """Build, before any rank starts, everything the ranks will build, as cheaply as possible:
     the topology, the algorithm's options, requirements and engine, the data set (its files),
     the model on the meta device and the optimizer on one dummy parameter. Raises
-    ConfigError (one line) for what cannot run; returns notes for the user (e.g. a
-    substituted topology). ``here``: the ranks run on this machine (its memory is checked)."""
+    ConfigError (one line) for what cannot run. ``here``: the ranks run on this machine (its memory is
+    checked)."""
     import torch
 
     from bfexp.assembly import resolve
@@ -154,7 +159,7 @@ def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> list[str]:
             raise ConfigError(f"{group}._target_={target.__module__}.{target.__qualname__} refused its options: "
                               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
 
-    notes = []
+    notes, steps = [], int(cfg.steps)
     modeled = job_kind(cfg) == "modeled"
     topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(cfg))
     algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
@@ -171,7 +176,8 @@ def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> list[str]:
     dataset_target, _ = check_node(cfg.dataset, "dataset")
     dataset = guarded("dataset", dataset_target, lambda: build(cfg.dataset, "dataset"))
     if not cfg.throughput_only:  # batches and held-out samples against what the data set holds
-        notes.extend(check_data(cfg, dataset))
+        more, steps = check_data(cfg, dataset)
+        notes.extend(more)
     model_target, _ = check_node(cfg.model, "model", runtime=("in_shape", "in_features", "classes"))
     in_shape, classes = guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
     fed = (in_shape, classes) if cfg.throughput_only else dataset.sample_shape()  # training: the data's samples
@@ -189,22 +195,24 @@ def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> list[str]:
         build(cfg.heterogeneity, "heterogeneity")
     if modeled and not declared_speed(cfg.scaling, label(cfg.model)):
         raise ConfigError(missing_speed_message(cfg.scaling, label(cfg.model)))
-    return notes
+    return DryBuild(notes, steps)
 
 
-def check_data(cfg: Any, dataset: Any) -> list[str]:
+def check_data(cfg: Any, dataset: Any) -> tuple[list[str], int | None]:
     """batch_size and eval_subset against the data set's split at this job's ranks (``Dataset.sizes``; its
     files are read here, so a malformed one is named before any rank starts). A batch larger than every
     rank's shard is refused: no rank could draw it, and the run would not be the one asked for (torch's
     DataLoader silently shortens it). Larger than some shards only (an uneven split): those ranks draw their
-    whole shard per step, and a note says so. Returns the notes."""
-    from bfexp.config import label
+    whole shard per step, and a note says so. Returns the notes and the steps the job runs (``epochs``
+    counts them from the split; None: a data set that cannot say before its ranks load it)."""
+    from bfexp.config import label, total_steps
     from bfexp.errors import ConfigError
 
     try:
         shards, held_out = dataset.sizes(int(cfg.ranks), int(cfg.seed))
     except NotImplementedError:  # a user's data set that overrides load() only: its ranks say
-        return []
+        return [], None if cfg.get("epochs") is not None else int(cfg.steps)
+    steps = total_steps(cfg, sum(shards), int(cfg.ranks))
     where = f"dataset={label(cfg.dataset)} at ranks={cfg.ranks}"
     if cfg.batch_size > max(shards):
         raise ConfigError(f"batch_size={cfg.batch_size} exceeds every rank's shard ({max(shards)} samples at most "
@@ -214,10 +222,10 @@ def check_data(cfg: Any, dataset: Any) -> list[str]:
         raise ConfigError(f"eval_subset={cfg.eval_subset} exceeds the {held_out} held-out samples of {where}; "
                           f"allowed: an integer in [1, {held_out}] or null (all of them)")
     if not short:
-        return []
+        return [], steps
     return [f"batch_size={cfg.batch_size} exceeds the shard of rank(s) {', '.join(map(str, short[:8]))}"
             f"{' ...' if len(short) > 8 else ''} ({min(shards)} samples at least, {where}): they train on their "
-            "whole shard each step"]
+            "whole shard each step"], steps
 
 
 def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
@@ -440,7 +448,7 @@ def run_job(cfg: Any) -> str:
 
 def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
     """``run_job``'s job in its held folder: validate, dry-build, launch, report."""
-    from bfexp.config import build, job_kind, label, validate
+    from bfexp.config import build, check_fail_step, job_kind, label, validate
     from bfexp.errors import ConfigError, LaunchError
 
     # SystemExit passes through Hydra untouched: one line, exit 2, no rank started on its work.
@@ -469,7 +477,9 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
                     PHASES.mark("ranks started early (they wait for the checks)")
                 check_engine(cfg, launcher)  # e.g. engine=nccl without a GPU; imports torch
             PHASES.mark("validate, engine choice")
-            notes = dry_build(cfg, launcher)
+            notes, steps = dry_build(cfg, launcher)
+            if sweep_dir is None and cfg.epochs is not None and steps is not None:  # e.g. fail_step=50 epochs=1
+                check_fail_step(cfg, steps)
             PHASES.mark("dry build: torch, components")
         except (ConfigError, LaunchError) as e:
             refuse(e)
@@ -634,7 +644,7 @@ def check_sweep(config: Any) -> None:
     ``-m lr=0.1,-1`` is refused (one line, exit 2) before ``lr=0.1`` trains, and no folder is made. Options
     that name a rank or a step are checked against the largest job (``check_reach``). A Slurm sweep's
     ranks run elsewhere: this machine's memory is not theirs to check."""
-    from bfexp.config import check_reach, job_kind, validate
+    from bfexp.config import check_fail_step, check_reach, job_kind, validate
     from bfexp.errors import ConfigError
     from bfexp.preflight import resolve_engine
 
@@ -642,16 +652,31 @@ def check_sweep(config: Any) -> None:
     points = sweep_points(config)
     ranks = max(int(job.ranks) for _, job in points)
     steps = max(int(job.steps) for _, job in points)
+    counted = []  # the jobs that count epochs: their steps are known after their dry build
     for swept, job in points:
         try:
             validate(job)
             check_reach(job, ranks, steps)
             if job_kind(job) != "modeled":
                 job, _ = resolve_engine(job)
-            dry_build(job, here=here)
+            built = dry_build(job, here=here)
         except ConfigError as e:
-            where = f" (sweep point {' '.join(swept)})" if len(points) > 1 and swept else ""
-            raise type(e)(f"{e}{where}") from None
+            raise type(e)(f"{e}{sweep_point(points, swept)}") from None
+        if job.epochs is not None:
+            counted.append((swept, job, built.steps))
+    if counted and all(n is not None for _, _, n in counted):
+        longest = max([n for _, _, n in counted] + [int(job.steps) for _, job in points if job.epochs is None])
+        for swept, job, _ in counted:  # against the longest job: a point is named only where fail_step is swept
+            try:
+                check_fail_step(job, longest, sweep=len(points) > 1)
+            except ConfigError as e:
+                named = [o for o in swept if o.startswith("fail_step=")]
+                raise type(e)(f"{e}{sweep_point(points, named)}") from None
+
+
+def sweep_point(points: list, swept: list[str]) -> str:
+    """`` (sweep point lr=-1)``: which job of a sweep an error is about; nothing for a one-job sweep."""
+    return f" (sweep point {' '.join(swept)})" if len(points) > 1 and swept else ""
 
 
 class RunFolders:

@@ -671,21 +671,41 @@ def check_closed(cfg: Any) -> None:
 def check_reach(cfg: Any, ranks: int | None = None, steps: int | None = None) -> None:
     """Options that name a rank or a step must name one the command runs: ``fail_rank=7 ranks=2`` or
     ``fail_step=50 steps=5`` would never fire. ``ranks``/``steps``: the most any job of the command runs
-    (a sweep over ``ranks=2,4`` may share ``fail_rank=3``: it fires in the 4-rank job); default this job's."""
+    (a sweep over ``ranks=2,4`` may share ``fail_rank=3``: it fires in the 4-rank job); default this job's.
+    A job that counts ``epochs`` knows its steps only from its data set: ``check_fail_step`` after the
+    dry build."""
     ranks = int(cfg.ranks if ranks is None else ranks)
-    steps = int(cfg.steps if steps is None else steps)
     within = f"ranks={ranks}" + (" in the largest job of this sweep" if ranks != cfg.ranks else "")
     if cfg.get("fail_rank") is not None and cfg.fail_rank >= ranks:
         raise ConfigError(f"fail_rank={cfg.fail_rank} is no rank of {within}; allowed: an integer in [0, {ranks - 1}]")
-    if cfg.get("epochs") is None and cfg.fail_step > steps:
-        longest = f"steps={steps}" + (" in the longest job of this sweep" if steps != cfg.steps else "")
-        raise ConfigError(f"fail_step={cfg.fail_step} is after the last step ({longest}); "
-                          f"allowed: an integer in [1, {steps}]")
+    if cfg.get("epochs") is None:
+        check_fail_step(cfg, int(cfg.steps if steps is None else steps), sweep=steps not in (None, cfg.steps))
     slow = _get(cfg, "heterogeneity.slow_ranks") or []
     beyond = [r for r in slow if isinstance(r, int) and r >= ranks]
     if beyond:
         raise ConfigError(f"heterogeneity.slow_ranks={list(slow)} names rank(s) {', '.join(map(str, beyond))}, "
                           f"none of {within}; allowed: ranks in [0, {ranks - 1}]")
+
+
+def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
+    """The steps a job runs: ``steps``, or ``epochs`` over the training set at this batch size and rank
+    count. Every rank runs the same number, even when shards differ in size."""
+    if cfg.get("epochs") is None:
+        return int(cfg.steps)
+    return int(cfg.epochs) * max(1, global_train_size // (size * cfg.batch_size))
+
+
+def check_fail_step(cfg: Any, steps: int, sweep: bool = False) -> None:
+    """``fail_step`` must be a step the command runs. ``steps``: this job's, or with ``sweep`` the most any
+    job of the sweep runs (a shorter job may share a fail_step that the longest reaches)."""
+    if cfg.fail_step <= steps:
+        return
+    last = f"steps={steps}" if cfg.get("epochs") is None else f"{steps} steps"
+    if sweep:
+        last += " in the longest job of this sweep"
+    elif cfg.get("epochs") is not None:  # e.g. epochs=1 over 1,024 samples at batch_size=32, ranks=4: 8 steps
+        last += f" from epochs={cfg.epochs} at batch_size={cfg.batch_size} and ranks={cfg.ranks}"
+    raise ConfigError(f"fail_step={cfg.fail_step} is after the last step ({last}); allowed: an integer in [1, {steps}]")
 
 
 def validate(cfg: Any, reach: bool = False) -> None:

@@ -148,14 +148,6 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
                  device, made.notes)
 
 
-def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
-    """Every rank must run the same number of steps, even when shards differ in size."""
-    if cfg.epochs is None:
-        return int(cfg.steps)
-    per_epoch = max(1, global_train_size // (size * cfg.batch_size))
-    return int(cfg.epochs) * per_epoch
-
-
 def is_baseline(cfg: Any) -> bool:
     return config.label(cfg.algorithm) == BASELINE
 
@@ -188,7 +180,7 @@ class Training:
         mark(engine, "build: model, optimizer, algorithm")
         data = job.data
         self.sampler = BatchSampler(data, cfg.batch_size, cfg.seed, engine.rank)
-        self.steps = steps = total_steps(cfg, data.global_train_size, engine.size)
+        self.steps = steps = config.total_steps(cfg, data.global_train_size, engine.size)
         self.timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
         # Stragglers (bfexp.heterogeneity): a rank's extra time per step, or its simulated compute time.
         self.heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()

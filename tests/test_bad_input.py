@@ -141,6 +141,13 @@ NEW_CASES = [
     # ranges that depend on other keys
     ("fail-rank-beyond", ["fail_rank=7", "ranks=2"], ["fail_rank=7", "ranks=2", "[0, 1]"]),
     ("fail-step-beyond", ["fail_rank=0", "fail_step=50", "steps=5"], ["fail_step=50", "steps=5", "[1, 5]"]),
+    # epochs=1: 512 samples x 4 ranks / (batch 32 x 4 ranks) = 16 steps
+    ("fail-step-beyond-epochs", ["fail_rank=0", "fail_step=17", "epochs=1"],
+     ["fail_step=17", "16 steps from epochs=1 at batch_size=32 and ranks=4", "[1, 16]"]),
+    # digits: 1,438 training samples / (batch 64 x 2 ranks) = 11 steps an epoch; epochs=2 runs 22
+    ("fail-step-beyond-epochs-sweep", ["-m", "epochs=1,2", "dataset=digits", "ranks=2", "batch_size=64",
+                                       "fail_rank=0", "fail_step=23"],
+     ["fail_step=23", "22 steps in the longest job of this sweep", "[1, 22]"]),
     ("slow-ranks-beyond", ["heterogeneity=stragglers", "heterogeneity.slow_ranks=[0,99]", "ranks=2"],
      ["heterogeneity.slow_ranks=[0, 99]", "99", "[0, 1]"]),
     ("batch-beyond-shard", ["batch_size=100000"], ["batch_size=100000", "512", "[1, 512]"]),
