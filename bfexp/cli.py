@@ -729,11 +729,13 @@ def _hydra_entry() -> None:
     import hydra
 
     from bfexp.config import register_configs
+    from bfexp.hydra_internals import known_mode
     from bfexp.launchers.slurm_sweep import register_plugin
 
     register_configs()
     register_plugin()
-    hydra.main(version_base=None, config_path="pkg://bfexp.conf", config_name="config")(run_job)()
+    with known_mode(sys.argv[1:]):  # Hydra would compose the configuration one more time only to learn it
+        hydra.main(version_base=None, config_path="pkg://bfexp.conf", config_name="config")(run_job)()
 
 
 def main() -> None:

@@ -1,0 +1,68 @@
+"""bfexp.hydra_internals: Hydra still asks ``Hydra.get_mode`` before it runs a command line, and the mode
+read from the command line is the one Hydra's own composition finds, for every command line where it
+answers (bfexp's configuration, every experiment of it, ``hydra.mode`` overrides), and it leaves the rest
+to Hydra (another configuration searched, a ``hydra/`` group chosen)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from hydra import initialize_config_module
+from hydra._internal import utils as hydra_utils
+from hydra._internal.hydra import Hydra
+from hydra.core.global_hydra import GlobalHydra
+
+from bfexp.cli import group_options
+from bfexp.config import register_configs
+from bfexp.hydra_internals import known_mode, mode_from_arguments
+from tests.cli_in_process import call
+
+ANSWERED = [[], ["lr=0.1", "steps=1,2"], ["hydra.mode=MULTIRUN"], ["hydra.mode=RUN", "seed=3"],
+            ["hydra.mode=MULTIRUN", "hydra.mode=RUN"], ["hydra.mode=null"], ["hydra.run.dir=x"]]
+ANSWERED += [[f"+experiment={name}"] for name in group_options("experiment")]
+LEFT = [["-cd", "myconf"], ["--config-dir=myconf", "seed=1"], ["-cn", "other"], ["--config-name", "x"],
+        ["-cp", "pkg://x"], ["hydra/launcher=slurm"], ["hydra.mode=SOMETIMES"]]
+
+
+@pytest.fixture
+def composed_mode():
+    """Hydra's own answer: the configuration composed as ``hydra.main`` composes it for ``get_mode``."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="bfexp.conf", version_base=None):
+        hydra = GlobalHydra.instance().hydra
+        yield lambda overrides: Hydra.get_mode(hydra, "config", overrides)
+    GlobalHydra.instance().clear()
+
+
+def test_hydra_main_still_asks_get_mode_before_it_runs():
+    """``_run_hydra`` is where Hydra composes for the mode; were the call gone, known_mode would do nothing."""
+    assert "get_mode" in vars(Hydra), "hydra._internal.hydra.Hydra.get_mode is gone"
+    assert list(inspect.signature(Hydra.get_mode).parameters) == ["self", "config_name", "overrides"]
+    assert "hydra.get_mode(config_name=config_name, overrides=overrides)" in inspect.getsource(hydra_utils._run_hydra)
+
+
+@pytest.mark.parametrize("args", ANSWERED, ids=[" ".join(a) or "none" for a in ANSWERED])
+def test_the_mode_read_from_the_command_line_is_the_composed_one(composed_mode, args):
+    decided, mode = mode_from_arguments(args)
+    assert decided
+    assert mode == composed_mode(args)
+
+
+@pytest.mark.parametrize("args", LEFT, ids=[" ".join(a) for a in LEFT])
+def test_command_lines_whose_mode_a_file_may_set_are_left_to_hydra(args):
+    assert mode_from_arguments(args) == (False, None)
+    original = Hydra.get_mode
+    with known_mode(args):
+        assert Hydra.get_mode is original
+    assert Hydra.get_mode is original
+
+
+def test_hydra_mode_multirun_on_the_command_line_still_sweeps(tmp_path, monkeypatch):
+    """``hydra.mode=MULTIRUN`` without ``-m`` sweeps as Hydra's docs say, and a refused point of it exits 2
+    naming the point (the sweep's check ran: the mode was known)."""
+    monkeypatch.chdir(tmp_path)
+    got = call(["hydra.mode=MULTIRUN", "lr=0.1,-1", "steps=1"])
+    assert got["code"] == 2 and "sweep point lr=-1" in got["stderr"], got
+    assert got["escaped"] is None
