@@ -203,7 +203,9 @@ def _soak(tmp_path: Path, algorithm: str, ranks: int, steps: int) -> None:
     assert got.rc == 0 and got.status == "completed", f"{got.line()}\n{got.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("algorithm", SOAK_ALGORITHMS)
+# make test: one algorithm at 128 ranks; .ci/run: the others too (the `large` mark), and all at 256 (soak).
+@pytest.mark.parametrize("algorithm", [a if a == "dsgd" else pytest.param(a, marks=pytest.mark.large)
+                                       for a in SOAK_ALGORITHMS])
 def test_soak_128_virtual_ranks_under_load(tmp_path, algorithm, loaded, frequent_checks):
     _soak(tmp_path, algorithm, 128, 20)
 

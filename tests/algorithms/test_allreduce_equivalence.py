@@ -40,7 +40,7 @@ emit(out)
 """
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.large)])  # .ci/run: 4 ranks too
 def test_allreduce_sgd_equals_centralized_sgd(n, tmp_path):
     out = run_ranks(n, RANK_CODE, tmp_path)
     # The reference: one process, the union of every rank's batch each step.

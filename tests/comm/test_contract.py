@@ -381,7 +381,7 @@ def test_every_check_has_a_reference():
 
 
 @pytest.mark.parametrize("check", list(C.CHECKS))
-@pytest.mark.parametrize("size", C.SIZES)
+@pytest.mark.parametrize("size", [s if s < 8 else pytest.param(s, marks=pytest.mark.large) for s in C.SIZES])  # .ci/run: 8
 @pytest.mark.parametrize("engine", list(ENGINE_RUNNERS))
 def test_contract(engine: str, size: int, check: str, contract_results) -> None:
     per_rank = [rank_results[check] for rank_results in contract_results(engine, size)]

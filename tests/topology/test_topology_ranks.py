@@ -82,7 +82,7 @@ emit(results)
 """
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.large)])  # .ci/run: 8 ranks too
 def test_neighbor_allreduce_matches_mixing_matrix(n, tmp_path):
     import json
 
