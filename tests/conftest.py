@@ -8,12 +8,30 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BFEXP = [sys.executable, "-m", "bfexp.cli"]
 
-# The suite's processes (two pytest workers, the jobs and ranks they start) outnumber the cores they
+# The suite's processes (three pytest workers, the jobs and ranks they start) outnumber the cores they
 # share. torch's OpenMP threads (libgomp) spin while they wait for one another by default, burning the
 # core a descheduled peer needs: a 1-rank job's two-thread steps took 40 s instead of 11 s beside two
 # busy processes. Passive threads sleep instead. Set here, before this process imports torch; the jobs
 # and ranks inherit it. A value the user set stands.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+# The longest files first: pytest-xdist (make test: --dist loadfile) hands files out in collection order, so
+# a long one collected last runs alone at the end while the other workers wait. Measured on 2 cores, most
+# CPU first; the in-process runners (one core each) beside the ones that start ranks.
+LONGEST_FIRST = ["test_faults.py", "test_bad_input.py", "test_virtual_ranks_at_scale.py", "test_config_options.py",
+                 "test_resume.py", "test_cli_args.py", "test_end_to_end.py", "algorithms/test_least_squares.py",
+                 "test_scaling.py", "test_experiments.py", "algorithms/test_efficient_cli.py", "test_cluster.py",
+                 "test_user_components.py", "algorithms/test_efficient.py", "test_bfexp_run.py",
+                 "topology/test_own_graph_cli.py"]
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file and among the rest stays
 
 
 def run_bfexp(args: list[str], cwd: Path, timeout: float = 240.0, **kw) -> subprocess.CompletedProcess:
