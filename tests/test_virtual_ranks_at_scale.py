@@ -229,6 +229,7 @@ def _signals(tmp_path: Path, ranks: int, steps: int, trials: int, seed: int) -> 
     assert not missed, missed
 
 
+@pytest.mark.large  # make test's form: the fault matrix's SIGTERM at start-up, mid-run and while writing results
 def test_sigterm_at_a_random_moment_ends_128_virtual_ranks_in_time(tmp_path):
     _signals(tmp_path, 128, 20, trials=2, seed=int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0))
 
