@@ -315,12 +315,23 @@ def parameter_count(node: Any, in_shape: tuple[int, ...], classes: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# Up to this many parameters (64 MB in float32) the driver checks a model on the CPU; larger ones on torch's
+# meta device. A first forward on the meta device imports torch's decompositions and sympy (about a
+# second of CPU, 800 modules) that a small model's forward on two real samples never needs.
+CPU_CHECK_PARAMETERS = 16_000_000
+
+
+@torch.no_grad()
 def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "the data set") -> int:
-    """The driver's check of a model against its data, on torch's meta device (shapes, no memory, no
-    compute): it has parameters to train, takes a batch of ``in_shape`` samples, and gives one score per
-    class. Returns its parameter count; ConfigError (one line) otherwise, where every rank would raise."""
+    """The driver's check of a model against its data: it has parameters to train, takes a batch of
+    ``in_shape`` samples, and gives one score per class. A small model is built and run on two zero
+    samples on the CPU; a large one on torch's meta device (shapes, no memory, no compute). Returns its
+    parameter count; ConfigError (one line) otherwise, where every rank would raise."""
     what = f"model._target_={node.get('_target_')!r}"
-    with torch.device("meta"):
+    with torch.device("meta"):  # its size, before anything is allocated (lazy layers are sized below)
+        sized = sum(p.numel() for p in _construct(node, in_shape, classes).parameters()
+                    if not isinstance(p, nn.parameter.UninitializedParameter))
+    with torch.device("cpu" if sized <= CPU_CHECK_PARAMETERS else "meta"):
         model = _construct(node, in_shape, classes)
         try:
             _materialize(model, in_shape)
