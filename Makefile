@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[test]'
+	$(PY) -m compileall -q bfexp > /dev/null  # an editable install has none; see test: below
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,7 +26,11 @@ run: install
 # tests/conftest.py hands the longest files out first.
 WORKERS ?= 3
 
+# Bytecode for bfexp and the tests first: where PYTHONDONTWRITEBYTECODE is set (as on this project's
+# machines) no process writes it, and each of the suite's ranks and drivers compiled bfexp's modules again
+# (0.6 s of CPU per process; only changed files are compiled here).
 test: install
+	$(PY) -m compileall -q bfexp tests scripts > /dev/null
 	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not soak and not large"
 
 clean:
