@@ -10,8 +10,7 @@ STAMP  := $(VENV)/.bfexp-installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install $(TORCH)
-	$(PIP) install -e '.[test]'
+	$(PIP) install $(TORCH) -e '.[test]'
 	$(PY) -m compileall -q bfexp > /dev/null  # an editable install has none; see test: below
 	touch $(STAMP)
 

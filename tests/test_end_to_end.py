@@ -76,6 +76,7 @@ def test_sigterm_ends_every_rank(tmp_path):
     assert not leftover, f"rank processes left running: {leftover}"
 
 
+@pytest.mark.large  # make test's form: test_cli_args' headline sweep, run for real (two jobs)
 def test_multirun_leaves_one_directory_per_job(bfexp):
     proc = bfexp("-m", "ranks=2,4", "topology=ring,exp2", "steps=10", "hydra.sweep.dir=sweep", timeout=300)
     assert proc.returncode == 0, proc.stderr
