@@ -159,7 +159,7 @@ def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> DryBuild:
             raise ConfigError(f"{group}._target_={target.__module__}.{target.__qualname__} refused its options: "
                               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
 
-    notes, steps = [], int(cfg.steps)
+    notes, steps = [], (int(cfg.steps) if cfg.get("epochs") is None else None)  # epochs: the data set counts them
     modeled = job_kind(cfg) == "modeled"
     topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(cfg))
     algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))

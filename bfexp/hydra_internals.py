@@ -26,7 +26,7 @@ def mode_from_arguments(args: list[str]) -> tuple[bool, Any]:
 
     mode = None
     for arg in args:
-        if arg.startswith(("-c", "--config")):  # -cd, --config-dir=..., -cn, -cp (and --cfg: no run, no mode)
+        if arg.startswith(("-c", "--config")):  # -cd, --config-dir=..., -cn, -cp; -c (--cfg) runs nothing anyway
             return False, None
         key, _, value = arg.lstrip("+~").partition("=")
         if key.startswith("hydra/"):
