@@ -114,6 +114,11 @@ def one_line(exc: BaseException) -> str:
             first = str(e).strip().splitlines()[0]
             return f"{e.full_key}: {first}"
     text = str(exc).strip().splitlines()
+    m = re.match(r"Ambiguous value for argument '([^=']+)=([^']*)'", text[0] if text else "")
+    if m:  # key=a,b outside a sweep: Hydra cannot tell a list from a sweep over two values
+        key, value = m.groups()
+        return (f"{key}={value} is ambiguous (commas make a sweep); allowed: a list {key}=[{value}], one "
+                f"string {key}='\"{value}\"', or a sweep over its values with -m")
     return text[0] if text else type(exc).__name__
 
 

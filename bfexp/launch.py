@@ -33,6 +33,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ from bfexp import checkpoint, config, results, summary as summaries, watchdog
 from bfexp.config import job_kind, launcher_of
 from bfexp.launchers import Launcher
 from bfexp.preflight import check_engine, resolve_engine
-from bfexp.sessions import TERMINATE_GRACE_S, EarlyRanks, killed_rank, start_ranks, terminate_session
+from bfexp.sessions import TERMINATE_GRACE_S, EarlyRanks, killed_rank, lost_host, start_ranks, terminate_session
 from bfexp.signals import SIGNALS, Signals
 from bfexp.watchdog import Watchdog, dump_thread_stacks, live_heartbeats, read_heartbeats, signal_stack_dumps
 
@@ -216,9 +217,23 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
             ranks.end("the job is over")
             if early is not None:
                 early.close()
+        if reason is not None or proc.returncode != 0:
+            reason = name_lost_hosts(launcher, reason, ending.stuck)
+            launcher.clean_up(int(cfg.ranks))
     _follow(tail, on_record)
     return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=ending.status,
                   stuck=ending.stuck)
+
+
+def name_lost_hosts(launcher: Launcher, reason: str | None, stuck: list[dict] | None) -> str | None:
+    """A hung job whose stuck ranks ran on other machines: add which of those machines no longer answer
+    (a host or link that is down), asked through the launcher."""
+    here = socket.gethostname()
+    hosts = sorted({s["host"] for s in stuck or () if s.get("host") not in (None, here)})
+    if not reason or not hosts:
+        return reason
+    down = launcher.unreachable(hosts)
+    return reason + "".join(f"; host {h} does not answer ({why})" for h, why in sorted(down.items()))
 
 
 def intra_op_threads(ranks: int) -> int:
@@ -316,7 +331,8 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
 
 def _exit_error(run_dir: Path, returncode: int | None) -> str:
     error = f"ranks exited with code {returncode} before finishing"
-    found = killed_rank(run_dir) or results.exception_in_logs(run_dir) or results.launcher_reason(run_dir)
+    found = killed_rank(run_dir) or lost_host(run_dir) or results.exception_in_logs(run_dir) or \
+        results.launcher_reason(run_dir)
     return f"{error}: {found}" if found else error
 
 

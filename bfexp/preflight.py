@@ -16,7 +16,7 @@ from omegaconf import open_dict
 from bfexp.errors import ConfigError, LaunchError
 from bfexp.launchers import Launcher, processor_slots
 
-__all__ = ["available_memory", "check_engine", "check_memory", "choose_engine", "memory_fits", "preflight",
+__all__ = ["available_memory", "check_engine", "check_even", "check_memory", "choose_engine", "memory_fits", "preflight",
            "resolve_engine", "runs_on"]
 
 # Memory one rank needs besides its model: a process with torch and mpi4py imported (about 230 MB
@@ -97,9 +97,22 @@ def preflight(engine_name: str, ranks: int, launcher: Launcher, ranks_per_machin
         launcher.check(ranks)
         if not launcher.on_this_machine:
             per_machine = launcher.ranks_per_host(ranks)
+            if not ranks_per_machine:
+                check_even(ranks, launcher)
     ok, reason = engine.available(ranks, per_machine)
     if not ok:
         raise LaunchError(f"engine={engine_name} cannot run here: {reason}")
+
+
+def check_even(ranks: int, launcher: Launcher) -> None:
+    """The engine numbers machines by rank // ranks per machine, so each machine must hold as many ranks:
+    refuse a placement that gives them unequal shares (ConfigError, before any rank starts)."""
+    placed = launcher.hosts(ranks)
+    if len({n for _, n in placed}) > 1:
+        shares = ", ".join(f"{h}:{n}" for h, n in placed)
+        raise ConfigError(f"ranks={ranks} land on machines unequally ({shares}); allowed: the same number on "
+                          "each machine (ranks a multiple of the slots per machine, equal slots), or set "
+                          "engine.ranks_per_machine to emulate machines")
 
 
 def choose_engine(cfg: Any) -> tuple[str, str]:

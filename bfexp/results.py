@@ -297,6 +297,7 @@ def record_failure(run_dir: str | os.PathLike, rank: int, exc: BaseException) ->
 
     write_json_atomic(Path(run_dir) / ERRORS_DIR / f"rank{rank}.json", {
         "rank": rank,
+        "host": socket.gethostname(),
         "type": type(exc).__name__,
         "message": str(exc).splitlines()[0] if str(exc) else "",
         "traceback": traceback.format_exc(),
@@ -311,9 +312,11 @@ def rank_errors(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def describe_errors(errors: list[dict]) -> str:
-    """One line: the first failure, and which other ranks failed."""
+    """One line: the first failure (with its host when that is not this machine), and which other ranks failed."""
     first = errors[0]
-    text = f"rank {first['rank']}: {first['type']}: {first['message']}"
+    host = first.get("host")
+    where = f" on {host}" if host and host != socket.gethostname() else ""
+    text = f"rank {first['rank']}{where}: {first['type']}: {first['message']}"
     others = sorted({e["rank"] for e in errors[1:]})
     if others:
         text += f" (also failed: ranks {', '.join(map(str, others))})"
@@ -353,7 +356,8 @@ def launcher_reason(run_dir: str | os.PathLike) -> str | None:
     end = lines.index("") if "" in lines else len(lines)
     head = " ".join(lines[:end])  # its first paragraph, and what it introduces with a colon
     rest = next((line for line in lines[end:] if line), "")
-    return f"mpiexec: {head}{' ' + rest if rest and head.endswith(':') else ''}"[:300]
+    said = f"{head}{' ' + rest if rest and head.endswith(':') else ''}"
+    return (said if said.startswith("srun:") else f"mpiexec: {said}")[:300]
 
 
 # ---------------------------------------------------------------- room for the summary on a full disk

@@ -165,17 +165,21 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
     except (ConfigError, LaunchError) as e:
         print(f"bfexp-run: {e}", file=sys.stderr)
         return EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT
-    run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bfexp-run-"))
+    # The ranks' failure records and heartbeats: ranks on other machines reach this folder only where they
+    # share it, so across machines it lives in the working directory, which they must see (the script is there).
+    scratch = None if launcher.on_this_machine else Path.cwd()
+    run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bfexp-run-", dir=scratch))
     for folder in (results.ERRORS_DIR, watchdog_folder()):  # a rerun into the same folder starts clean
         shutil.rmtree(run_dir / folder, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     program = [python, "-m", "mpi4py", "-m", "bfexp.run", "--rank", *target, *script_args]
-    env = launcher_environment(launcher, args.ranks) | driver_environment(args, run_dir)
+    env = launcher_environment(launcher, args.ranks, args.timeout_s) | driver_environment(args, run_dir)
     with SIGNALS.job() as signals:
         start = len(signals.received)
         # With --log-dir, mpiexec's own words (a rank killed by a signal, MPI_Abort) go beside the ranks' logs.
         log = open(run_dir / "mpiexec.log", "wb") if args.log_dir else None
-        ranks = ProcessRanks(subprocess.Popen(launcher.command(args.ranks, program), stdin=subprocess.DEVNULL,
+        command = launcher.command(args.ranks, program, launcher.forward_environment(env))
+        ranks = ProcessRanks(subprocess.Popen(command, stdin=subprocess.DEVNULL,
                                               stdout=log, stderr=log, env=env, start_new_session=True), run_dir)
         try:
             reason = supervise(ranks, args, lambda: "a signal" if signals.since(start) else None,
@@ -184,6 +188,8 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
             ranks.end("the launch is over")  # mpiexec's whole session: no rank outlives the launch
             if log is not None:
                 log.close()
+        if reason is not None or ranks.proc.returncode != 0:
+            launcher.clean_up(args.ranks)
     errors = results.rank_errors(run_dir)
     shutil.rmtree(run_dir / watchdog_folder(), ignore_errors=True)
     if not args.log_dir:
@@ -277,7 +283,7 @@ def rank_main(argv: list[str]) -> None:
         timeout = float(os.environ.get(HANG_VARIABLE) or 0)
         watchdog.enable_stack_dumps()
         watchdog.Heartbeat(watchdog.NoEngine(rank), Path(os.environ[RUN_DIR_VARIABLE]),
-                           period_s=min(1.0, timeout / 4) if timeout else 1.0, step=None)
+                           period_s=min(1.0, timeout / 4) if timeout else 1.0, step=None, timeout_s=timeout)
     if not log_dir:
         sys.stdout, sys.stderr = _Tagged(sys.stdout, rank), _Tagged(sys.stderr, rank)
     sys.argv = [argv[1] if argv[0] == "-m" else argv[0], *argv[(2 if argv[0] == "-m" else 1):]]

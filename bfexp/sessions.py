@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from bfexp import results, watchdog
-from bfexp.launchers import Launcher, processor_slots
+from bfexp.launchers import TIMEOUT_VARIABLE, Launcher, processor_slots
 from bfexp.preflight import PROCESS_RANK_BYTES, available_memory
 
-__all__ = ["EarlyRanks", "killed_rank", "launcher_command", "launcher_environment", "rank_environment", "session_processes",
+__all__ = ["EarlyRanks", "killed_rank", "lost_host", "launcher_command", "launcher_environment", "rank_environment", "session_processes",
            "start_ranks", "terminate_session", "worker_command"]
 
 # Environment that marks a process as part of an MPI job; a child mpiexec
@@ -67,23 +67,27 @@ def worker_command(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "mpi4py", "-m", "bfexp.worker", str(run_dir)]
 
 
-def launcher_command(launcher: Launcher, cfg: Any, program: list[str]) -> list[str]:
-    """The command that starts the job's ranks, each running ``program``, as ``launcher`` spells it."""
-    return launcher.command(int(cfg.ranks), program, [str(a) for a in cfg.engine.get("mpiexec_args", [])])
+def launcher_command(launcher: Launcher, cfg: Any, program: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The command that starts the job's ranks, each running ``program``, as ``launcher`` spells it; ``env``:
+    the ranks' environment, which it carries to other machines (Launcher.forward_environment)."""
+    args = [str(a) for a in cfg.engine.get("mpiexec_args", [])]
+    return launcher.command(int(cfg.ranks), program, [*launcher.forward_environment(env or {}), *args])
 
 
-def launcher_environment(launcher: Launcher, ranks: int) -> dict[str, str]:
+def launcher_environment(launcher: Launcher, ranks: int, timeout_s: float = 0.0) -> dict[str, str]:
     """The ranks' environment: the driver's without MPI state, threads per rank from the ranks sharing a
-    machine, and what the launcher adds."""
-    return launcher.environment(ranks, rank_environment(ranks, launcher.threads_per_rank(ranks)))
+    machine, the job's timeout_s, and what the launcher adds."""
+    env = rank_environment(ranks, launcher.threads_per_rank(ranks))
+    env[TIMEOUT_VARIABLE] = f"{float(timeout_s):g}"
+    return launcher.environment(ranks, env)
 
 
 def start_ranks(launcher: Launcher, cfg: Any, run_dir: Path, log: IO[bytes],
                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """The launcher's command starting the job's ranks in a session of its own, its output into ``log``."""
-    env = launcher_environment(launcher, int(cfg.ranks)) | (env or {})
+    env = launcher_environment(launcher, int(cfg.ranks), float(cfg.get("timeout_s", 0) or 0)) | (env or {})
     env.update({watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()})
-    return subprocess.Popen(launcher_command(launcher, cfg, worker_command(run_dir)), stdout=log,
+    return subprocess.Popen(launcher_command(launcher, cfg, worker_command(run_dir), env), stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=os.getcwd(),
                             start_new_session=True)  # one session holds mpiexec and every rank it starts
 
@@ -145,6 +149,55 @@ def killed_rank(run_dir: Path) -> str | None:
     except ValueError:
         name = f"signal {sig}"
     return f"rank {rank} (pid {pid} on {node}) was killed by {name}"
+
+
+# mpiexec's words for another machine it lost, and what each means.
+_LOST = ((re.compile(r"Remote daemon:.*\son node\s+(\S+)"), "lost: its daemon stopped answering (the host or its link is down)"),
+         (re.compile(r"daemon failed to report back.*?Remote host:\s+(\S+)", re.S),
+          "lost: its daemon stopped answering (the host or its link is down)"),
+         (re.compile(r"Peer host:\s+(\S+)"), "a rank there ended without a word (killed, or its host is down)"))
+# srun's word on a task: "srun: error: hostB: task 1: Killed"; on its own ending of the step; on tasks never heard of.
+_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$", re.M)
+_SRUN_ENDS_STEP = "_step_signal: Terminating"
+_SRUN_UNHEARD = "Timed out waiting for job step to complete"
+
+
+def _task_numbers(spec: str) -> set[int]:
+    out: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def _on_host(run_dir: Path, host: str) -> str:
+    ranks = sorted(r for r, hb in watchdog.read_heartbeats(run_dir).items() if hb.get("host") == host)
+    return f" ({'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))})" if ranks else ""
+
+
+def lost_host(run_dir: Path) -> str | None:
+    """The launcher's word (logs/mpiexec.log) on a machine whose daemon or ranks vanished, with the ranks that
+    ran there (from their heartbeats): "host hostB (rank 1) lost: ..."; or on a rank killed there."""
+    try:
+        text = (Path(run_dir) / results.LOGS_DIR / "mpiexec.log").read_text(errors="replace")
+    except OSError:
+        return None
+    for pattern, meaning in _LOST:  # mpirun
+        m = pattern.search(text)
+        if m:
+            return f"host {m.group(1)}{_on_host(run_dir, m.group(1))} {meaning}"
+    tasks = list(_SRUN_TASK.finditer(text))  # srun
+    if _SRUN_UNHEARD in text:  # tasks srun never heard from again: their machine is gone
+        heard = set().union(*(_task_numbers(m.group(2)) for m in tasks))
+        hosts = sorted({hb.get("host") for r, hb in watchdog.read_heartbeats(run_dir).items() if r not in heard})
+        if hosts and None not in hosts:
+            return "; ".join(f"host {h}{_on_host(run_dir, h)} lost: srun never heard from its tasks again "
+                             "(the host or its link is down)" for h in hosts)
+    before_srun_ended_it = text.split(_SRUN_ENDS_STEP, 1)[0]
+    killed = next((m for m in _SRUN_TASK.finditer(before_srun_ended_it) if "Killed" in m.group(3) or "signal" in m.group(3)), None)
+    if killed:
+        return f"rank {killed.group(2)} on {killed.group(1)}: {killed.group(3).strip().lower()} (srun)"
+    return None
 
 
 class EarlyRanks:

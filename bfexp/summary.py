@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from bfexp import config, results, scaling
-from bfexp.config import job_kind
+from bfexp.config import job_kind, launcher_of
 
 __all__ = ["compute_speed", "failed_summary", "job_identity", "machine_layout", "modeled", "modeled_block",
            "reference_fields", "scaling_block", "topology_ranks_per_machine"]
@@ -118,12 +118,19 @@ def scaling_block(cfg: Any, engine: Any | None, measured: dict | None, modeled: 
 
 
 def topology_ranks_per_machine(cfg: Any) -> int:
-    """How ranks sit on machines for the topology: the engine's layout, and for a modeled
+    """How ranks sit on machines for the topology: the engine's layout (engine.ranks_per_machine, else the
+    machines a launcher across machines places them on, as the ranks will detect), and for a modeled
     cluster the scaling config's machines (0 = one machine)."""
     rpm = int(cfg.engine.ranks_per_machine)
     if job_kind(cfg) == "modeled":
         rpm = rpm or int(cfg.scaling.ranks_per_machine)
         return 0 if rpm >= int(cfg.ranks) else rpm
+    from bfexp.comm import PROCESS_ENGINES
+
+    if not rpm and cfg.engine.name in PROCESS_ENGINES:
+        launcher = launcher_of(cfg)
+        placed = [] if launcher.on_this_machine else launcher.hosts(int(cfg.ranks))
+        rpm = placed[0][1] if len(placed) > 1 else 0
     return rpm
 
 

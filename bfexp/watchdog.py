@@ -8,8 +8,12 @@ not safe while that thread runs), and the engine's blocked-time counter,
 which moves whenever a call completes. Process ranks
 (mpi, nccl) write it to heartbeat/rank<N>.json from a helper thread about
 once a second, in place and at a fixed size, so a full disk does not stop
-it; that thread also ends the rank when the driver is gone. The driver
-reads virtual ranks' heartbeats directly.
+it; that thread also ends the rank when the driver is gone, and when the
+rank has waited in one call ORPHAN_GRACE_S longer than the driver's
+timeout_s: by then the driver has ended the job, so a rank still waiting
+cannot hear it (another machine whose link is down, or whose driver's
+machine is gone) and ends itself. The driver reads virtual ranks'
+heartbeats directly.
 
 The driver's Watchdog declares a job hung when a rank has sat inside one
 communication call, its counter unmoved, for ``timeout_s`` seconds (a rank
@@ -52,6 +56,8 @@ RECORD_BYTES = 1024  # one heartbeat, padded: rewritten in place, it never needs
 # Seconds between two checks: min(0.5, timeout_s / 4) unless this variable says otherwise (tests make
 # checks frequent with it; the driver's watch loop comes round every 0.1 s).
 CHECK_ENV = "BFEXP_WATCHDOG_CHECK_S"
+# A process rank stuck in one communication call this much longer than timeout_s ends itself (see above).
+ORPHAN_GRACE_S = 5.0
 STARTUP_S = 120.0  # the longest a rank may take to start (imports, data, model) before it counts as hung
 SILENT_S = 2.0  # a process rank beats at least every second: silent this long, it is not moving
 DUMP_SIGNAL = signal.SIGUSR2
@@ -86,8 +92,10 @@ class Heartbeat:
     """A rank's progress as the driver sees it (see the module doc). Create it in the rank's own thread.
     ``step``: None for a program with no steps the driver counts (bfexp-run's)."""
 
-    def __init__(self, engine: Any, run_dir: Path, period_s: float = 1.0, step: int | None = 0) -> None:
+    def __init__(self, engine: Any, run_dir: Path, period_s: float = 1.0, step: int | None = 0,
+                 timeout_s: float = 0.0) -> None:
         self.engine = engine
+        self.orphan_s = timeout_s + ORPHAN_GRACE_S if timeout_s > 0 else 0.0
         self.rank = int(engine.rank)
         self.run_dir = Path(run_dir)
         self.thread_id = threading.get_ident()
@@ -116,11 +124,18 @@ class Heartbeat:
         driver = int(os.environ.get(DRIVER_PID, "0") or 0)
         local_driver = os.environ.get(DRIVER_HOST) == self.host
         first = True
+        waiting: tuple[Any, float] = (None, time.monotonic())  # (the call and its counter, since when)
         while first or not self._stop.wait(self.period_s):
             first = False
             if driver and local_driver and not _alive(driver):  # the driver is gone (killed): nobody will
                 shutil.rmtree(os.environ.get(DRIVER_SCRATCH) or os.devnull, ignore_errors=True)  # collect this
                 os._exit(70)  # job; leave no orphan, nor the driver's scratch folder
+            activity = self.engine.activity
+            key = (activity.op, self.engine.comm_time_s) if activity is not None else None
+            if key != waiting[0]:
+                waiting = (key, time.monotonic())
+            elif key is not None and self.orphan_s and time.monotonic() - waiting[1] > self.orphan_s:
+                self._end_orphan(activity.op, time.monotonic() - waiting[1])
             try:
                 if fd is None:
                     folder.mkdir(parents=True, exist_ok=True)
@@ -129,6 +144,14 @@ class Heartbeat:
                 os.pwrite(fd, data + b" " * (RECORD_BYTES - 1 - len(data)) + b"\n", 0)
             except OSError:
                 continue  # e.g. a full disk: the driver sees the heartbeat age and judges
+
+    def _end_orphan(self, op: str, stalled_s: float) -> None:
+        """Waited in ``op`` past the driver's timeout: say so with the stacks into this rank's log, and end."""
+        print(f"bfexp: rank {self.rank} on {self.host} waited in {op} for {stalled_s:.0f} s, longer than its driver "
+              f"waits (timeout_s + {ORPHAN_GRACE_S:g} s): the job is over or its driver unreachable; this rank ends "
+              "itself", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(71)
 
     def close(self) -> None:
         self._stop.set()
@@ -288,13 +311,15 @@ class Watchdog:
         """One line: which ranks, in which call, at which step; who waits for whom (virtual ranks); where
         their ``stacks`` went."""
         groups: dict[tuple, list[int]] = {}
+        here = socket.gethostname()
         for s in stuck:
-            key = (s["why"], s.get("op"), s.get("where"), s.get("step"))
+            host = s.get("host") if s.get("host") not in (None, here) else None  # another machine: named
+            key = (s["why"], s.get("op"), s.get("where"), s.get("step"), host)
             groups.setdefault(key, []).append(s["rank"])
         parts = []
-        for (why, op, where, step), ranks in sorted(groups.items(), key=lambda kv: (kv[0][3] or 0, kv[1])):
+        for (why, op, where, step, host), ranks in sorted(groups.items(), key=lambda kv: (kv[0][3] or 0, kv[1])):
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
-            text = f"{who}: {why}"
+            text = f"{who}{f' on {host}' if host else ''}: {why}"
             if op:
                 text += f" in {op} ({where})"
             if step is not None:

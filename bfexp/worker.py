@@ -552,7 +552,8 @@ def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
     if cfg.engine.get("timeline", False) and engine.timeline is None:  # Chrome trace per rank (Perfetto)
         engine.timeline = Timeline(run_dir / "timeline" / f"rank{engine.rank}.json", engine.rank)
     timeout = float(cfg.get("timeout_s", 0) or 0)  # the driver's hang watchdog reads the heartbeat
-    heartbeat = watchdog.Heartbeat(engine, run_dir, period_s=min(1.0, timeout / 4) if timeout else 1.0)
+    heartbeat = watchdog.Heartbeat(engine, run_dir, period_s=min(1.0, timeout / 4) if timeout else 1.0,
+                                   timeout_s=timeout)
     try:
         runner = JOBS[job_kind(cfg)]
         assert runner is not None, "modeled jobs start no rank"

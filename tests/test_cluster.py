@@ -100,6 +100,8 @@ def test_mpirun_with_hosts_spelling_runs(bfexp):
     ("{host} slots=2\n", ["ranks=3"], ["ranks=3 exceed the 2 slots", "allowed: ranks <= 2"], 2),
     ("{host} slots=2\n", ["launcher.network_interface=nosuch0"], ["launcher.network_interface=nosuch0", "lo"], 2),
     ("{host} slots=zero\n", [], ["slots=zero", "allowed"], 2),
+    # two machines, 2 and 1 ranks: the engine numbers machines by rank // ranks per machine
+    ("{host} slots=2\nlocalhost slots=1\n", ["ranks=3"], ["land on machines unequally", "allowed"], 2),
 ])
 def test_mpirun_preflight_refuses_in_one_line(bfexp, hostfile, extra, words, code):
     path = bfexp.cwd / "hosts.txt"
@@ -114,6 +116,7 @@ def test_mpirun_preflight_refuses_in_one_line(bfexp, hostfile, extra, words, cod
     (["launcher=mpirun"], ["launcher=mpirun needs machines", "launcher.hosts="]),
     (["launcher=mpirun", "launcher.hosts=a:2", "launcher.hostfile=h"], ["one of the two"]),
     (["launcher=mpirun", "launcher.hosts=a:x"], ["launcher.hosts=a:x", "host:slots"]),
+    (["launcher=mpirun", "launcher.hosts=a:2,b:2"], ["launcher.hosts=a:2,b:2 is ambiguous", "launcher.hosts=[a:2,b:2]"]),
     (["launcher=srun", "launcher.ranks_per_node=-1"], ["launcher.ranks_per_node=-1", ">= 0"]),
     (["launcher=ssh"], ["launcher=ssh is not an option", "local, mpirun, srun"]),
 ])
@@ -154,6 +157,106 @@ def test_launcher_commands_spell_what_bfrun_users_type():
     for part in ("-n 16", "--host n1:8,n2:8", "--mca btl_tcp_if_include eth0", "-x NCCL_SOCKET_IFNAME=eth0",
                  "--prtemca oob_tcp_if_include eth0", "-m bfexp.worker RUN"):
         assert part in text, text
+    # The list form Hydra reads from launcher.hosts=[n1:8,n2:8] (no quotes) spells the same command.
+    listed = rank_command({"_target_": "bfexp.launchers.Mpirun", "hosts": ["n1:8", "n2:8"], "hostfile": None,
+                           "network_interface": "eth0", "extra_args": []})
+    assert listed == mpirun
+
+
+def test_mpirun_gives_ranks_on_other_machines_the_local_environment():
+    """mpirun sends other machines only what -x names: every variable of the ranks' environment is named, but
+    the driver's own machine's and session's; the daemons give up a lost link within the job's timeout_s."""
+    from bfexp.launchers import TIMEOUT_VARIABLE, Mpirun
+    from bfexp.sessions import launcher_environment
+
+    launcher = Mpirun(hosts="n1:2,n2:2")
+    env = {"PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src", "BFEXP_RUN_DIR": "/x", "WANDB_MODE": "offline",
+           "HOSTNAME": "login1", "PWD": "/home/u", "SSH_AUTH_SOCK": "/tmp/a", "OMPI_MCA_osc": "^ucx",
+           "BASH_FUNC_f%%": "() { :; }", "MY_SETTING": "1"}
+    args = launcher.forward_environment(env)
+    assert args == ["-x", "BFEXP_RUN_DIR", "-x", "MY_SETTING", "-x", "PATH", "-x", "PYTHONPATH", "-x", "WANDB_MODE"]
+    ranks_env = launcher_environment(launcher, 4, timeout_s=20)
+    assert ranks_env[TIMEOUT_VARIABLE] == "20"
+    assert [ranks_env[f"PRTE_MCA_oob_tcp_keepalive_{k}"] for k in ("time", "intvl", "probes")] == ["10", "1", "10"]
+    forwarded = launcher.forward_environment(ranks_env)
+    for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MALLOC_MMAP_THRESHOLD_", TIMEOUT_VARIABLE):
+        assert name in forwarded, forwarded
+    assert "OMPI_ALLOW_RUN_AS_ROOT" not in forwarded  # mpirun sends its own
+
+
+# What Open MPI 5 and Slurm 22.05 wrote when another machine was lost (seen on the emulated cluster), the
+# heartbeats' hosts, and the one line the driver makes of them.
+LOST = [
+    ("PRTE has lost communication with a remote daemon.\n\n  HNP daemon   : [prterun-hostA-24194@0,0] on node hostA\n"
+     "  Remote daemon: [prterun-hostA-24194@0,1] on node hostB\n",
+     "host hostB (rank 1) lost: its daemon stopped answering"),
+    ("A daemon failed to report back after being spawned. This could\nbe due to several factors\n\n"
+     "  Local host:    hostA\n  Remote host:   hostB\n  Daemon exit status: 255\n",
+     "host hostB (rank 1) lost: its daemon stopped answering"),
+    ("An MPI communication peer process has unexpectedly disconnected.\n\n  Local host: hostA\n  Local PID:  23779\n"
+     "  Peer host:  hostB\n", "host hostB (rank 1) a rank there ended without a word"),
+    ("srun: error: hostB: task 1: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=3.0\n"
+     "srun: error: hostA: task 0: Exited with exit code 14\n", "rank 1 on hostB: killed (srun)"),
+    ("srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\n"
+     "srun: error: hostA: task 0: Exited with exit code 14\nsrun: launch/slurm: _step_signal: Terminating StepId=4.0\n"
+     "srun: error: hostC: task 2: Killed\nsrun: error: Timed out waiting for job step to complete\n",
+     "host hostB (rank 1) lost: srun never heard from its tasks again"),
+]
+
+
+@pytest.mark.parametrize("log, said", LOST)
+def test_a_lost_machine_is_named_with_its_ranks(tmp_path, log, said):
+    from bfexp.sessions import lost_host
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "mpiexec.log").write_text(log)
+    (tmp_path / "heartbeat").mkdir()
+    for rank, host in enumerate(["hostA", "hostB", "hostC"]):
+        (tmp_path / "heartbeat" / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "host": host}))
+    assert lost_host(tmp_path).startswith(said), lost_host(tmp_path)
+
+
+def test_a_failure_on_another_machine_names_it():
+    from bfexp.results import describe_errors
+
+    here = socket.gethostname()
+    assert describe_errors([{"rank": 4, "host": "hostC", "type": "ValueError", "message": "boom"}]) == \
+        "rank 4 on hostC: ValueError: boom"
+    assert describe_errors([{"rank": 1, "host": here, "type": "ValueError", "message": "boom"}]) == \
+        "rank 1: ValueError: boom"
+
+
+ORPHAN = """
+import sys, time
+from bfexp import watchdog
+
+class Call:
+    op = "allreduce"
+
+    def where(self, root):
+        return "x.py:1"
+
+class Waiting:  # a rank inside a communication call that never returns
+    virtual, rank, comm_time_s, activity = False, 3, 1.5, Call()
+
+watchdog.Heartbeat(Waiting(), sys.argv[1], period_s=0.1, timeout_s=0.5)
+time.sleep(30)
+print("still here")
+"""
+
+
+def test_a_process_rank_waiting_past_its_drivers_timeout_ends_itself(tmp_path):
+    """Its driver ended the job timeout_s after the rank stopped moving; a rank still waiting ORPHAN_GRACE_S
+    later cannot hear it (another machine cut off) and ends itself, saying why."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", ORPHAN.replace("from bfexp import watchdog",
+                                                                "from bfexp import watchdog; watchdog.ORPHAN_GRACE_S = 1.0"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 71, proc.stdout + proc.stderr
+    assert "rank 3" in proc.stderr and "waited in allreduce" in proc.stderr and "ends itself" in proc.stderr
+    assert "still here" not in proc.stdout
 
 
 # ------------------------------------------------------------------ machines detected from where ranks run

@@ -13,7 +13,12 @@ supervises whatever it started:
   or cluster must offer (an executable, hosts that answer, an allocation):
   LaunchError (exit 3) when it does not, ConfigError when the input asks for
   more than the launcher's own settings give (ranks beyond the slots);
-* ``hosts(ranks)``: the machines the ranks land on, with how many each.
+* ``hosts(ranks)``: the machines the ranks land on, with how many each;
+* ``forward_environment(env)``: the arguments that carry the ranks' environment to other machines
+  (mpirun passes only what ``-x`` names; srun passes all of it);
+* after a job that failed: ``unreachable(hosts)``, which of the machines its stuck ranks ran on do
+  not answer (to name a host or link that is down), and ``clean_up(ranks)``, what the launcher's
+  daemons, if killed, left on the machines.
 
 A launcher of a user's own package plugs in the same way
 (``launcher._target_=mypkg.MyLauncher``, or a YAML in ``--config-dir``).
@@ -25,13 +30,21 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 from bfexp.errors import LaunchError
 
-__all__ = ["Launcher", "find_executable", "find_mpiexec", "processor_slots"]
+__all__ = ["TIMEOUT_VARIABLE", "Launcher", "find_executable", "find_mpiexec", "processor_slots", "ssh_probe"]
+
+# The job's timeout_s (the driver's hang watchdog) in the environment ``environment`` receives: a launcher
+# tunes its own liveness checks to it (mpirun: how soon a daemon that lost its link gives up).
+TIMEOUT_VARIABLE = "BFEXP_TIMEOUT_S"
+# How long a machine gets to answer when the driver asks, after a failure, whether it is still there.
+PROBE_S = 3.0
 
 
 def processor_slots() -> int:
@@ -51,6 +64,28 @@ def find_executable(name: str, why: str) -> str:
     if found is None:
         raise LaunchError(f"{name} not found beside {sys.executable} nor on PATH; {why}")
     return found
+
+
+def ssh_probe(hosts: Sequence[str], timeout_s: float, command: str = "true") -> dict[str, str | None]:
+    """Ask each host, at once, to run ``command`` over ssh without a password: host -> None where it did, else
+    why not (ssh's last word, or no answer in ``timeout_s``). No ssh here: every host "ssh is not installed"."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        return {h: "ssh is not installed here" for h in hosts}
+    procs = {h: subprocess.Popen([ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout_s))}", h,
+                                  command], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True) for h in hosts}
+    deadline = time.monotonic() + timeout_s + 1
+    out: dict[str, str | None] = {}
+    for host, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out[host] = None if proc.returncode == 0 else (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out[host] = f"no answer in {timeout_s:g} s"
+    return out
 
 
 def find_mpiexec() -> str:
@@ -75,6 +110,19 @@ class Launcher:
 
     def check(self, ranks: int) -> None:
         """Preflight, before any rank starts (see the module doc)."""
+
+    def forward_environment(self, env: dict[str, str]) -> list[str]:
+        """Launcher arguments that give ranks on other machines the environment ``env`` gives local ones
+        (none: the launcher passes it whole, or starts every rank here)."""
+        return []
+
+    def unreachable(self, hosts: Sequence[str]) -> dict[str, str]:
+        """Which of ``hosts`` (other machines) do not answer now, and why: asked about the machines of a
+        failed job's stuck ranks. Default: ssh (``ssh_probe``)."""
+        return {h: why for h, why in ssh_probe(hosts, PROBE_S).items() if why}
+
+    def clean_up(self, ranks: int) -> None:
+        """After a job that failed: remove what the launcher's own daemons leave when they are killed."""
 
     def hosts(self, ranks: int) -> list[tuple[str, int]]:
         """(machine, ranks it gets) for each machine the ranks land on."""

@@ -1,9 +1,20 @@
 """Open MPI's mpirun over machines reached with ssh, what BlueFog's bfrun and horovodrun wrap.
 
-``launcher=mpirun launcher.hosts='"n1:8,n2:8"'`` or ``launcher.hostfile=hosts.txt``
-(``n1 slots=8`` a line). Before any rank starts: every host resolves and
-answers ssh without a password, the slots cover the ranks, and the network
-interface exists here.
+``launcher=mpirun launcher.hosts=[n1:8,n2:8]`` (a list: Hydra reads an unquoted
+``n1:8,n2:8`` as a sweep of two values; the quoted string ``'"n1:8,n2:8"'``
+works too) or ``launcher.hostfile=hosts.txt`` (``n1 slots=8`` a line). Before
+any rank starts: every host resolves and answers ssh without a password, the
+slots cover the ranks, and the network interface exists here.
+
+mpirun gives ranks on other machines only its own variables and those ``-x``
+names, so every variable of the ranks' environment is named (as horovodrun
+does), except those that describe the driver's own machine or shell session.
+
+A machine whose link goes down leaves its daemon (prted) and ranks waiting on
+sockets that neither close nor answer; TCP notices only after many minutes.
+The daemons' connections to mpirun therefore probe their peer while idle
+(keepalive), often enough that a daemon that lost mpirun ends itself and its
+ranks within timeout_s, and mpirun, losing the daemon, names its machine.
 """
 
 from __future__ import annotations
@@ -11,15 +22,24 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import re
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 from bfexp.errors import ConfigError, LaunchError, text_of
-from bfexp.launchers.base import Launcher, find_mpiexec, processor_slots
+from bfexp.launchers.base import TIMEOUT_VARIABLE, Launcher, find_mpiexec, processor_slots, ssh_probe
 
 __all__ = ["Mpirun", "check_interface", "interface_args", "is_this_machine", "parse_hosts", "read_hostfile"]
 
 SSH_TIMEOUT_S = 5
+# Open MPI's folders of daemons and mpirun (prted.<pid>, prterun.<pid>, ompi.<pid>) whose process is gone (or a
+# zombie: a killed daemon whose parent went with it waits for init to reap it).
+STALE_SESSION_FOLDERS = ('for d in "${TMPDIR:-/tmp}"/prted.* "${TMPDIR:-/tmp}"/prterun.* "${TMPDIR:-/tmp}"/ompi.*; do '
+                         'p=${d##*.}; case $p in ""|*[!0-9]*) continue;; esac; '
+                         'case "$(sed "s/.*) //" "/proc/$p/stat" 2>/dev/null | cut -c1)" in ""|Z) rm -rf "$d";; esac; done')
+# Variables that belong to the driver's machine or shell session, not to the ranks' job: not sent along.
+LOCAL_VARIABLES = re.compile(r"^(HOSTNAME|PWD|OLDPWD|SHLVL|_|PS[1-4]|DISPLAY|TERM|TERMCAP|COLUMNS|LINES|LS_COLORS|"
+                             r"SSH_\w+|XDG_\w+|TMUX\w*|STY|WINDOW|BASH_FUNC_.*|KRB5CCNAME|MAIL|LOGNAME|USER|HOME)$")
 # Hosts found to answer ssh, so that a second preflight in the same driver does not ask again.
 _ANSWERED: set[str] = set()
 
@@ -33,12 +53,14 @@ class Mpirun(Launcher):
 
     name: ClassVar[str] = "mpirun"
 
-    def __init__(self, hosts: str | None = None, hostfile: str | None = None, network_interface: str | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, hosts: str | Sequence[str] | None = None, hostfile: str | None = None,
+                 network_interface: str | None = None, extra_args: Sequence[str] = ()) -> None:
+        if hosts is not None and not isinstance(hosts, str):
+            hosts = ",".join(str(h) for h in hosts)  # [n1:8,n2:8], as Hydra reads it unquoted
         if hosts and hostfile:
             raise ConfigError(f"launcher.hosts={hosts} and launcher.hostfile={hostfile}; allowed: one of the two")
         if not (hosts or hostfile):
-            raise ConfigError("launcher=mpirun needs machines; allowed: launcher.hosts='\"n1:8,n2:8\"' "
+            raise ConfigError("launcher=mpirun needs machines; allowed: launcher.hosts=[n1:8,n2:8] "
                               "or launcher.hostfile=PATH")
         if hosts:
             parse_hosts(hosts)  # its form, now
@@ -76,6 +98,32 @@ class Mpirun(Launcher):
             raise ConfigError(f"ranks={ranks} exceed the {slots} slots of {self.key}; allowed: ranks <= {slots}, "
                               "or more slots")
         find_mpiexec()
+
+    def environment(self, ranks: int, env: dict[str, str]) -> dict[str, str]:
+        """Keepalive probes on the daemons' connections, tuned to the job's timeout_s (see the module doc):
+        a silent peer is given up between timeout_s / 2 and timeout_s after it went silent."""
+        timeout = float(env.get(TIMEOUT_VARIABLE) or 0)
+        if timeout > 0:
+            half = max(1, int(timeout // 2))
+            for key, value in (("time", half), ("intvl", 1), ("probes", half)):
+                env.setdefault(f"PRTE_MCA_oob_tcp_keepalive_{key}", str(value))
+        return env
+
+    def clean_up(self, ranks: int) -> None:
+        """The session folders (prted.<pid>, under each machine's TMPDIR) of daemons that were killed (a lost
+        machine, a job ended at once): each machine removes those whose process is gone."""
+        remote = [h for h, _ in self.hosts(ranks) if not is_this_machine(h)]
+        if remote:
+            ssh_probe(remote, SSH_TIMEOUT_S, STALE_SESSION_FOLDERS)
+        subprocess.run(["sh", "-c", STALE_SESSION_FOLDERS], stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=SSH_TIMEOUT_S)
+
+    def forward_environment(self, env: dict[str, str]) -> list[str]:
+        """``-x NAME`` for each variable of the ranks' environment but the driver's own (LOCAL_VARIABLES) and
+        Open MPI's, which mpirun sends itself."""
+        names = sorted(k for k in env if not LOCAL_VARIABLES.match(k) and not k.startswith(("OMPI_", "PMIX_", "PRTE_"))
+                       and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
+        return [arg for name in names for arg in ("-x", name)]
 
     def command(self, ranks: int, program: Sequence[str], mpiexec_args: Sequence[str] = ()) -> list[str]:
         placement = ["--host", self.hosts_spec] if self.hosts_spec else ["--hostfile", str(self.hostfile)]
@@ -135,25 +183,19 @@ def is_this_machine(host: str) -> bool:
 
 
 def check_host(host: str, key: str) -> None:
-    """A host must resolve, and (when it is another machine) answer ssh without a password (LaunchError)."""
+    """A host must resolve, and (when it is another machine) answer ssh without a password (LaunchError).
+    Its answer removes Open MPI's folders of daemons that are gone (a job whose machine crashed, say)."""
     if host in _ANSWERED or is_this_machine(host):
         return
     try:
         socket.getaddrinfo(host, None)
     except OSError:
         raise LaunchError(f"{key}: host {host} does not resolve; allowed: host names this machine resolves") from None
-    ssh = shutil.which("ssh")
-    if ssh is None:
+    if shutil.which("ssh") is None:
         raise LaunchError(f"{key}: host {host} is another machine and ssh is not installed here; "
                           "allowed: this machine's names, or install ssh")
-    try:
-        proc = subprocess.run([ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", host, "true"],
-                              capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 5, stdin=subprocess.DEVNULL)
-        answer = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        ok = proc.returncode == 0
-    except subprocess.TimeoutExpired:
-        ok, answer = False, f"no answer in {SSH_TIMEOUT_S + 5} s"
-    if not ok:
+    answer = ssh_probe([host], SSH_TIMEOUT_S, STALE_SESSION_FOLDERS)[host]  # and clears what crashed jobs left
+    if answer is not None:
         raise LaunchError(f"{key}: host {host} is not reachable over ssh ({answer}); "
                           "allowed: hosts that answer `ssh -o BatchMode=yes HOST true`")
     _ANSWERED.add(host)
