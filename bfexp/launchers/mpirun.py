@@ -19,10 +19,10 @@ ranks within timeout_s, and mpirun, losing the daemon, names its machine.
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
-import re
 from pathlib import Path
 from typing import ClassVar, Sequence
 
