@@ -162,6 +162,20 @@ def test_an_unequal_placement_is_refused_before_any_rank_starts(shared):
     assert not (shared / "run" / "logs").exists()
 
 
+def test_a_working_folder_other_hosts_cannot_see_is_refused_before_any_rank_starts():
+    """Every rank reads its config from the run folder: a job started in hostA's own /tmp cannot run on hostB."""
+    private = STATE / "tmp" / "hostA" / "bfexp-private"  # /tmp/bfexp-private on hostA only
+    private.mkdir(exist_ok=True)
+    try:
+        proc = bfexp("hostA", ["launcher=mpirun", "launcher.hosts=[hostA:1,hostB:1]", "ranks=2", *SMALL,
+                               "hydra.run.dir=run"], Path("/tmp/bfexp-private"))
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert "host hostB does not see the working folder /tmp/bfexp-private" in proc.stderr, proc.stderr
+        assert not (private / "run" / "logs").exists()
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
 MACHINE_OPS = r"""
 import json, socket, sys
 import torch

@@ -19,7 +19,9 @@ ranks within timeout_s, and mpirun, losing the daemon, names its machine.
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -32,6 +34,7 @@ from bfexp.launchers.base import TIMEOUT_VARIABLE, Launcher, find_mpiexec, proce
 __all__ = ["Mpirun", "check_interface", "interface_args", "is_this_machine", "parse_hosts", "read_hostfile"]
 
 SSH_TIMEOUT_S = 5
+NOT_SHARED = "bfexp-working-folder-not-here"  # what a host that lacks the working folder answers
 # Open MPI's folders of daemons and mpirun (prted.<pid>, prterun.<pid>, ompi.<pid>) whose process is gone (or a
 # zombie: a killed daemon whose parent went with it waits for init to reap it).
 STALE_SESSION_FOLDERS = ('for d in "${TMPDIR:-/tmp}"/prted.* "${TMPDIR:-/tmp}"/prterun.* "${TMPDIR:-/tmp}"/ompi.*; do '
@@ -183,8 +186,9 @@ def is_this_machine(host: str) -> bool:
 
 
 def check_host(host: str, key: str) -> None:
-    """A host must resolve, and (when it is another machine) answer ssh without a password (LaunchError).
-    Its answer removes Open MPI's folders of daemons that are gone (a job whose machine crashed, say)."""
+    """A host must resolve, and (when it is another machine) answer ssh without a password and see the working
+    folder (LaunchError). Its answer removes Open MPI's folders of daemons that are gone (a job whose machine
+    crashed, say)."""
     if host in _ANSWERED or is_this_machine(host):
         return
     try:
@@ -194,7 +198,14 @@ def check_host(host: str, key: str) -> None:
     if shutil.which("ssh") is None:
         raise LaunchError(f"{key}: host {host} is another machine and ssh is not installed here; "
                           "allowed: this machine's names, or install ssh")
-    answer = ssh_probe([host], SSH_TIMEOUT_S, STALE_SESSION_FOLDERS)[host]  # and clears what crashed jobs left
+    # The ranks read their config from the run folder, under the working folder: the host must see it.
+    here = os.getcwd()
+    sees = f"test -d {shlex.quote(here)} || {{ echo {NOT_SHARED} >&2; exit 1; }}; "
+    answer = ssh_probe([host], SSH_TIMEOUT_S, sees + STALE_SESSION_FOLDERS)[host]  # and clears what crashed jobs left
+    if answer == NOT_SHARED:
+        raise LaunchError(f"{key}: host {host} does not see the working folder {here} (every rank reads the job's "
+                          "config and writes its records in the run folder there); allowed: a folder every host "
+                          "mounts at the same path, e.g. a shared home or scratch")
     if answer is not None:
         raise LaunchError(f"{key}: host {host} is not reachable over ssh ({answer}); "
                           "allowed: hosts that answer `ssh -o BatchMode=yes HOST true`")
