@@ -17,7 +17,8 @@
 # untouched; a UTS namespace for its hostname (an mpi4py job across hosts that share one hangs); a mount
 # namespace in which /etc/hosts maps every host to its bridge address, /etc/ssh is its own (sshd on its
 # address, root key auth with a key made here), and /tmp, /run/munge and /etc/slurm are its own, as on
-# separate machines; the working tree and everything else is shared, as a cluster's home directories are.
+# separate machines; everything else is shared, as a cluster's home directories are (bfexp's working tree
+# too, where it lives under /tmp).
 # A cpu-controller cgroup per host (cgroup v1 or v2) gives it a CPU quota. `up` is idempotent: run again
 # with other --rate/--cpu it reshapes. Needs root; installs openssh-server (and Slurm for --slurm) with
 # apt-get when missing.
@@ -31,6 +32,7 @@ FIRST=10
 IFACE=clu0
 CGROUP_NAME=bfexp-cluster
 LETTERS=(A B C D E F G H)
+REPO=$(cd "$(dirname "$0")/.." && pwd -P)
 
 die() { echo "cluster_local.sh: $*" >&2; exit 2; }
 need_root() { [ "$(id -u)" = 0 ] || die "needs root (namespaces, cgroups, daemons)"; }
@@ -114,12 +116,19 @@ make_host() {  # HOST INDEX
     unshare --uts="$STATE/uts/$h" hostname "$h"
     mkdir -p "$etc/ssh" "$STATE/tmp/$h" "$STATE/run/$h/munge" "$etc/slurm"
     chmod 1777 "$STATE/tmp/$h"
-    # its own files: /etc/hosts, /etc/ssh, /etc/slurm, /tmp, /run/munge
+    # its own files: /etc/hosts, /etc/ssh, /etc/slurm, /tmp, /run/munge. A working tree that lives under
+    # this machine's /tmp (a CI clone, say) stays visible at its path on every host, as a shared home would.
+    local keep=""
+    case "$REPO" in /tmp/?*)
+        mkdir -p "$STATE/tmp/$h/${REPO#/tmp/}"
+        keep="mount --bind $REPO $STATE/tmp/$h/${REPO#/tmp/}" ;;
+    esac
     unshare --mount="$STATE/mnt/$h" --propagation private sh -c "
         mount --bind $STATE/hosts.txt /etc/hosts
         mount --bind $etc/ssh /etc/ssh
         mkdir -p /etc/slurm && mount --bind $etc/slurm /etc/slurm
-        mount --bind $STATE/tmp/$h /tmp
+        $keep
+        mount --rbind $STATE/tmp/$h /tmp
         mkdir -p /run/munge && mount --bind $STATE/run/$h/munge /run/munge"
     mkdir -p "$(cgroup_root)/$h"
     # sshd on its address, its own keys; root logs in with the cluster's key
