@@ -58,7 +58,8 @@ def yaml_comments(path: Path) -> tuple[str, dict[str, str]]:
             block = []
     if not seen_key:
         header = header + block
-    return " ".join(h for h in header if h), keys
+    paragraphs = " ".join(h if h else "\n\n" for h in header).split("\n\n")  # an empty `#` line parts them
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs if p.strip()), keys
 
 
 def dataclass_comments(cls: type) -> dict[str, str]:
@@ -217,7 +218,7 @@ def generate() -> str:
             "[studies](../studies/README.md) pages.", ""]
     for option in group_options("experiment"):
         header, _ = yaml_comments(REPO / "conf" / "experiment" / f"{option}.yaml")
-        out += [f"- `{option}`: {header}"]
+        out += [f"- `{option}`: {header.split(chr(10))[0]}"]  # its first paragraph
     slurm = REPO / "conf" / "hydra" / "launcher" / "slurm.yaml"
     header, _ = yaml_comments(slurm)
     out += ["", "## hydra/launcher=slurm", "", f"{header} See [clusters](../how-to/clusters.md).", ""]
