@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.bfexp-installed
 
-.PHONY: install run test clean
+.PHONY: install run test docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,5 +32,13 @@ test: install
 	$(PY) -m compileall -q bfexp tests scripts > /dev/null
 	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not soak and not large"
 
+# The documentation site (docs/, mkdocs.yml) into site/: the `docs` extra into .venv, the config reference
+# regenerated from the code, then a strict build (a broken link or an unresolved API name fails it).
+# Not part of `make test`; .ci/run runs both.
+docs: install
+	$(PIP) install -e '.[docs]'
+	$(PY) scripts/gen_reference.py
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun site

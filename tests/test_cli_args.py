@@ -1,16 +1,16 @@
-"""Overrides on both sides of Hydra's flags, and every command line the README shows.
+"""Overrides on both sides of Hydra's flags, through the CLI and the installed command.
 
 Hydra 1.3's command line is argparse with the overrides as one positional that ends at the first
 flag, so `bfexp algorithm=exact_diffusion topology=exp2 -m ranks=8,32,128` (the README's first
 line) was refused ("unrecognized arguments: ranks=8,32,128"; Hydra issue #3053). bfexp puts the
 overrides first and the flags after them (`cli.hydra_argument_order`) before Hydra parses.
 
-The README sweep runs every `bfexp ...` line of README.md through the CLI's own entry
+Beside the documentation's lines (tests/test_docs_commands.py), the orders of Hydra #3053 run through the CLI's own entry
 (`bfexp.cli.command`) in ONE interpreter with the job function replaced by one that records each
 composed job: Hydra parses the line, composes every job of a sweep (the Slurm launcher's jobs too,
 launched here instead of submitted), and nothing runs. (`--cfg job` cannot check a sweep: Hydra
 refuses `-m` with `--cfg`.) The headline sweep also runs for real, with tiny settings, through the
-installed `bfexp`, and `bfexp-report`'s README lines run on its folder.
+installed `bfexp`, and the results page's `bfexp-report` lines run on its folder.
 """
 
 from __future__ import annotations
@@ -202,7 +202,9 @@ def test_hydra_help(bfexp):
 
 
 def readme_report_lines() -> list[str]:
-    return [line.split("#")[0].strip() for line in (REPO / "README.md").read_text().splitlines()
+    """The `bfexp-report` lines of the results page (docs/getting-started/results.md)."""
+    page = REPO / "docs" / "getting-started" / "results.md"
+    return [line.split("#")[0].strip() for line in page.read_text().splitlines()
             if re.match(r"\s+(\.venv/bin/)?bfexp-report ", line)]
 
 
@@ -225,49 +227,9 @@ def test_bfexp_report_readme_lines_and_options_on_both_sides(headline_sweep):
         assert (cwd / f"r{n}" / "report.csv").is_file() and not list((cwd / f"r{n}").glob("*.png"))
 
 
-# --- every bfexp command line of the README, composed in one interpreter -----------------------
+# --- command lines beside the documentation's (tests/test_docs_commands.py has those) ------------
 
-# Commands of README.md that cannot be run as written: their placeholders name nothing.
-SKIPPED = {
-    "bfexp resume=<run folder>": "placeholder <run folder>; resume=DIR is checked by resume-sweep-with-a-flag",
-    "bfexp resume=<sweep folder>": "placeholder <sweep folder>; resume=DIR is checked by resume-sweep-with-a-flag",
-    "bfexp resume=<folder>": "placeholder <folder>",
-    "bfexp -m ...": "placeholder ... (the overrides of an earlier sweep)",
-    "bfexp --verbose ...": "placeholder ... (any overrides)",
-}
-
-
-def readme_commands() -> list[tuple[int, str]]:
-    """(line number, command) for every `bfexp` command in README.md: lines of code blocks (indented
-    or fenced) that start with `bfexp` or `.venv/bin/bfexp` (a `\\` continues them on the next line),
-    and inline code spans in the prose that hold one (spans may wrap)."""
-    lines = (REPO / "README.md").read_text().splitlines()
-    starts = re.compile(r"(?:\.venv/bin/)?bfexp(?:\s|$)")
-    found, prose, fenced, i = [], [], False, 0
-    while i < len(lines):
-        line, i = lines[i], i + 1
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
-        elif not fenced and not line.startswith("    "):
-            prose.append(line)
-            continue
-        prose.append("")  # code: not prose, the line numbers stay
-        command, number = line.strip().removeprefix("$ "), i
-        if not starts.match(command):
-            continue
-        while command.endswith("\\") and i < len(lines):
-            command, i = command[:-1] + " " + lines[i].strip(), i + 1
-            prose.append("")
-        found.append((number, shlex.join(shlex.split(command, comments=True))))
-    text = "\n".join(prose)
-    for m in re.finditer(r"`((?:\.venv/bin/)?bfexp(?:\s[^`]*)?)`", text):
-        found.append((text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split())))
-    return found
-
-
-README_COMMANDS = readme_commands()
-
-# Beside the README's lines: the orders of the Hydra #3053 report, and resume= before a flag.
+# The orders of the Hydra #3053 report, and resume= before a flag.
 EXTRA = {
     "both-sides-of-m": ("bfexp seed=1 -m steps=1,2 lr=0.3", {}),
     "m-last": ("bfexp seed=1 steps=1,2 -m", {}),
@@ -317,20 +279,12 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def case_id(number: int, command: str) -> str:
-    return f"README:{number}:{command}"
-
-
-README_CASES = [(case_id(n, c), c) for n, c in README_COMMANDS]
-
-
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory) -> dict:
-    """Every README command (but the SKIPPED) and EXTRA case through `bfexp.cli.command` in one
-    interpreter, each in a fresh folder: {id: exit code, stderr, stdout, escaped traceback, jobs}."""
-    root = tmp_path_factory.mktemp("readme")
-    cases = [(cid, command, FILES) for cid, command in README_CASES if command not in SKIPPED]
-    cases += [(cid, command, {**FILES, **files}) for cid, (command, files) in EXTRA.items()]
+    """Every EXTRA case through `bfexp.cli.command` in one interpreter, each in a fresh folder:
+    {id: exit code, stderr, stdout, escaped traceback, jobs}."""
+    root = tmp_path_factory.mktemp("orders")
+    cases = [(cid, command, {**FILES, **files}) for cid, (command, files) in EXTRA.items()]
     payload = [{"id": cid, "args": shlex.split(command)[1:], "folder": str(root / f"case{n}"), "files": files}
                for n, (cid, command, files) in enumerate(cases)]
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(payload)], capture_output=True, text=True,
@@ -339,15 +293,6 @@ def composed(tmp_path_factory) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_readme_commands_are_found():
-    commands = [c for _, c in README_COMMANDS]
-    assert len(commands) >= 25, commands
-    assert HEADLINE in commands
-    assert "bfexp --shell-completion install=bash" in commands
-    assert any(c.startswith(".venv/bin/bfexp ") for c in commands)
-    assert any("hydra/launcher=slurm" in c and "hydra.launcher.timeout_min=120" in c for c in commands)  # 4 lines
-    placeholders = [c for c in commands if re.search(r"<[^>]*>|\.\.\.", c)]
-    assert sorted(set(placeholders)) == sorted(SKIPPED), "a README command with a placeholder is not listed"
 
 
 def check_composed(got: dict, args: list[str]) -> None:
@@ -370,18 +315,8 @@ def check_composed(got: dict, args: list[str]) -> None:
         assert got["jobs"][0]["task"] == task
 
 
-@pytest.mark.parametrize("cid, command", README_CASES, ids=[cid for cid, _ in README_CASES])
-def test_readme_command_parses_and_composes(composed, cid, command):
-    if command in SKIPPED:
-        pytest.skip(SKIPPED[command])
-    check_composed(composed[cid], shlex.split(command)[1:])
 
 
-def test_readme_headline_composes_three_jobs(composed):
-    cid = next(cid for cid, command in README_CASES if command == HEADLINE)
-    jobs = composed[cid]["jobs"]
-    assert [j["config"]["ranks"] for j in jobs] == [8, 32, 128]
-    assert all(j["choices"]["algorithm"] == "exact_diffusion" and j["choices"]["topology"] == "exp2" for j in jobs)
 
 
 @pytest.mark.parametrize("cid", ["both-sides-of-m", "m-last", "multirun-first"])

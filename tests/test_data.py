@@ -148,3 +148,20 @@ def test_user_dataset_gets_partitioning_and_shape_from_the_base():
     # sorted: each rank holds one contiguous run of labels (25 of each of 4 classes -> one class per rank)
     assert [sorted(set(s.train_y.tolist())) for s in shards] == [[0], [1], [2], [3]]
     assert shards[0].test_x.shape == (5, 2, 3) and shards[0].in_shape == (2, 3)
+
+
+def test_loaders_and_package_need_no_torchvision():
+    """The data sets read their own files, and no extra asks for torchvision (which would let pip replace the
+    pinned torch, docs/reference/dependencies.md): bfexp.data imports no torchvision, pyproject names none."""
+    import ast
+    import tomllib
+
+    from tests.conftest import REPO
+
+    tree = ast.parse((REPO / "bfexp" / "data.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "torchvision" not in imported
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    assert not [r for r in requirements if r.startswith("torchvision")], requirements
