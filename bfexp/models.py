@@ -297,6 +297,7 @@ class GPT(nn.Module):
     """
 
     name: ClassVar[str] = "gpt"
+    takes_tokens: ClassVar[bool] = True  # its input is token ids: the driver refuses a data set of features
 
     def __init__(self, in_shape: tuple[int, ...], classes: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 64,
                  block_size: int | None = None, dropout: float = 0.0, bias: bool = True) -> None:
@@ -444,6 +445,9 @@ def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "
     torch's meta device (shapes, no memory, no compute). Returns its parameter count; ConfigError (one line)
     otherwise, where every rank would raise."""
     what = f"model._target_={node.get('_target_')!r}"
+    if getattr(config.target_of(node, "model"), "takes_tokens", False) and not tokens:
+        raise ConfigError(f"{what} takes token ids; {data} gives samples of features shaped {tuple(in_shape)}; "
+                          "allowed: a data set of tokens (dataset=text)")
     with torch.device("meta"):  # its size, before anything is allocated (lazy layers are sized below)
         sized = sum(p.numel() for p in _construct(node, in_shape, classes).parameters()
                     if not isinstance(p, nn.parameter.UninitializedParameter))
