@@ -38,10 +38,10 @@ def cross_entropy(scores: torch.Tensor, y: torch.Tensor, reduction: str = "mean"
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> tuple[float, float]:
-    """(mean loss, accuracy) of one rank's model on the held-out set, ``batch`` samples at a time; per token
-    for a language model (mean token cross-entropy, next-token accuracy)
+    """(mean loss, accuracy) of one rank's model on the held-out set, ``batch`` samples at a time
     (a chunk whose activations stay in cache: the cnn's 2000-sample evaluation takes 0.10 s in
-    chunks of 256 and 0.25 s in one of 4096 here, 2 threads; an MLP's is the same either way)."""
+    chunks of 256 and 0.25 s in one of 4096 here, 2 threads; an MLP's is the same either way).
+    A language model's are per token: the mean token cross-entropy and next-token accuracy."""
     was_training = model.training
     model.eval()
     loss, correct = 0.0, 0

@@ -32,7 +32,7 @@ import torch
 from bfexp.data import Dataset, RankData, partition
 from bfexp.errors import ConfigError, DatasetError, number_in, text_of
 
-__all__ = ["BytePairTokenizer", "CharTokenizer", "Text", "generated_corpus"]
+__all__ = ["BytePairTokenizer", "CharTokenizer", "Text", "generated_corpus", "read_documents"]
 
 Tokenizer = Literal["char", "bpe"]
 TextPartition = Literal["iid", "documents"]
