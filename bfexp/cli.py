@@ -187,7 +187,8 @@ def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> DryBuild:
     in_shape, classes = guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
     fed = (in_shape, classes) if cfg.throughput_only else dataset.sample_shape()  # training: the data's samples
     parameters = guarded("model", model_target,
-                         lambda: check_fits(cfg.model, *fed, data=f"dataset={label(cfg.dataset)}"))
+                         lambda: check_fits(cfg.model, *fed, data=f"dataset={label(cfg.dataset)}",
+                                            tokens=bool(getattr(dataset, "tokens", False))))
     finfo = torch.finfo(getattr(torch, cfg.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
     number_in("lr", cfg.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {cfg.dtype})")
     if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory

@@ -42,6 +42,7 @@ class RankData:
     test_y: torch.Tensor
     classes: int
     global_train_size: int
+    tokens: bool = False  # samples are token ids and targets one per position (a language model's data)
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -138,6 +139,9 @@ class Dataset:
     """
 
     name: ClassVar[str]
+    # Samples are token ids (integers in [0, classes)) with a target per position: a language model's data
+    # (bfexp.text.Text). The driver checks the model on token ids, and the summary reports perplexity.
+    tokens: ClassVar[bool] = False
 
     def __init__(self, partition: Partition = "iid", alpha: float = 0.5, eval_samples: int = 2000) -> None:
         if partition not in get_args(Partition):

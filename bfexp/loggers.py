@@ -14,6 +14,9 @@ what receives the records. A user's own logger subclasses ``Logger``.
 wandb is an optional extra. It runs offline unless the user chose a mode
 (logger.mode or $WANDB_MODE): a run must never need a network or an
 account, and `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
+TensorBoard (logger=tensorboard, the tensorboard extra) writes event files
+into <run dir>/tensorboard/ with torch's SummaryWriter; `tensorboard
+--logdir <run or sweep folder>` shows every job of a sweep as its own run.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from typing import Any, ClassVar, Literal
 from bfexp import results
 from bfexp.errors import ConfigError
 
-__all__ = ["Console", "Jsonl", "Logger", "Tracker", "Wandb", "WandbTracker"]
+__all__ = ["Console", "Jsonl", "Logger", "TensorBoard", "TensorBoardTracker", "Tracker", "Wandb", "WandbTracker"]
 
 WANDB_INSTALL = "pip install 'bfexp[wandb]'"
+TENSORBOARD_INSTALL = "pip install 'bfexp[tensorboard]'"
+TENSORBOARD_DIR = "tensorboard"  # inside the run folder
 
 
 class Tracker:
@@ -113,6 +118,37 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=0 if summary.get("status") in (results.COMPLETED, results.DIVERGED) else 1)
 
 
+class TensorBoardTracker(Tracker):
+    """One TensorBoard run per job, in <run dir>/tensorboard/: every record's numbers as scalars at its step,
+    the resolved config as text, and at the end the summary's numbers under ``summary/`` and its status."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        from omegaconf import OmegaConf
+        from torch.utils.tensorboard import SummaryWriter  # the driver has torch by now (its dry build)
+
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+        self.writer.add_text("config", "```\n" + OmegaConf.to_yaml(cfg, resolve=True) + "```", 0)
+        self.step = 0
+        self._finished = False
+
+    def log(self, record: dict) -> None:
+        self.step = int(record.get("step") or self.step)
+        for key, value in _scalars(record).items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, self.step)
+
+    def finish(self, summary: dict) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        for key, value in _scalars(summary).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"summary/{key}", value, self.step)
+        self.writer.add_text("summary/status", f"{summary.get('status')}: {summary.get('error') or ''}".rstrip(": "),
+                             self.step)
+        self.writer.close()
+
+
 # ---------------------------------------------------------------- the logger group's options
 
 
@@ -174,3 +210,20 @@ class Wandb(Logger):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"bfexp: warning: wandb did not start ({first}); the job runs without it", file=sys.stderr)
             return Tracker()
+
+
+class TensorBoard(Logger):
+    """logger=tensorboard: TensorBoard event files from the driver (torch's SummaryWriter), beside the progress
+    display: one run per job in <run dir>/tensorboard/."""
+
+    name: ClassVar[str] = "tensorboard"
+
+    def __init__(self, progress: bool = True) -> None:
+        """The tensorboard package must be importable (the optional extra): ConfigError with the command that
+        installs it."""
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(f"logger=tensorboard needs the tensorboard package; install it with: {TENSORBOARD_INSTALL}")
+        super().__init__(progress)
+
+    def tracker(self, cfg: Any, run_dir: Path) -> Tracker:
+        return TensorBoardTracker(cfg, Path(run_dir))

@@ -9,12 +9,18 @@ chain ends open):
 
 * ``in_shape``: one sample's shape, e.g. (1, 28, 28) or (32,);
 * ``in_features``: the product of ``in_shape``;
-* ``classes``: the number of labels.
+* ``classes``: the number of labels (a language model's vocabulary: one label per token).
+
+A data set of tokens (``Dataset.tokens``, e.g. dataset=text) gives samples of
+``block_size`` token ids and one target per position; a model for it (GPT
+below) returns scores shaped (batch, positions, classes), and the loss is the
+mean cross-entropy over every token.
 
 ``build_model`` materializes lazily sized layers on a zero batch, then draws
 every weight from one explicit torch.Generator seeded with the run's seed, so
 no weight depends on torch's global RNG (which virtual ranks in threads
-share): every rank and every engine starts from the same numbers.
+share): every rank and every engine starts from the same numbers. A model
+with its own scheme (GPT) draws it in ``init_weights(generator)``.
 
 Throughput-only jobs size a model without loading data (``sample_shape``): a
 model class may declare ``input_spec(**options) -> (in_shape, classes)``
@@ -28,13 +34,14 @@ import math
 from typing import Any, Callable, ClassVar, Literal, Sequence, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bfexp import config
 from bfexp.data import Dataset
 from bfexp.errors import ConfigError, number_in
 
-__all__ = ["CNN", "LogReg", "MLP", "ResNet50", "build_model", "check_fits", "initialize", "parameter_count",
+__all__ = ["CNN", "GPT", "LogReg", "MLP", "ResNet50", "build_model", "check_fits", "initialize", "parameter_count",
            "sample_shape"]
 
 Activation = Literal["relu", "tanh", "gelu"]
@@ -242,6 +249,112 @@ class ResNet50(nn.Sequential):
         return (channels, image_size, image_size), cls.imagenet_classes
 
 
+# ------------------------------------------------------------------ a language model
+
+
+class _CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t sees positions <= t (torch's fused kernel)."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # query, key, value in one product
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = _CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer in nanoGPT's shape (Radford et al. 2019; Karpathy's nanoGPT): token and
+    position embeddings, ``n_layer`` pre-norm blocks of causal self-attention and an MLP, a final norm, and an
+    output layer that shares the token embedding's weights (weight tying).
+
+    Takes (batch, T) token ids, T <= ``block_size``; returns scores (batch, T, classes), one next-token
+    distribution per position. ``classes`` (the vocabulary) and, unless set, ``block_size`` come from the data
+    set (dataset=text: its vocabulary and its samples' length). ``dropout`` > 0 draws from torch's global RNG,
+    which virtual ranks share: keep 0 where runs must repeat bit for bit.
+    """
+
+    name: ClassVar[str] = "gpt"
+    takes_tokens: ClassVar[bool] = True  # its input is token ids: the driver refuses a data set of features
+
+    def __init__(self, in_shape: tuple[int, ...], classes: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 64,
+                 block_size: int | None = None, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        for key, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
+            number_in(f"model.{key}", value, low=1, integer=True)
+        number_in("model.dropout", dropout, low=0, high=1, high_open=True)
+        if n_embd % n_head:
+            raise ConfigError(f"model.n_embd={n_embd} is not a multiple of model.n_head={n_head}; "
+                              "allowed: n_embd divisible by n_head (each head gets n_embd / n_head features)")
+        if len(in_shape) != 1:
+            raise ConfigError(f"model=gpt takes samples of token ids shaped (block_size,); got {tuple(in_shape)}; "
+                              "allowed: a data set of tokens (dataset=text)")
+        context = int(in_shape[0])
+        if block_size is None:
+            block_size = context
+        number_in("model.block_size", block_size, low=context, integer=True,
+                  note=f"(the data's samples hold {context} tokens; null = that)")
+        self.block_size, self.n_layer = block_size, n_layer
+        self.wte = nn.Embedding(classes, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(_Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = nn.Linear(n_embd, classes, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one matrix embeds tokens and scores them
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"a sequence of {t} tokens exceeds model.block_size={self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """nanoGPT's init, drawn from ``generator``: N(0, 0.02) weights and embeddings, zero biases, and the
+        residual projections scaled by 1/sqrt(2 n_layer) (GPT-2) so the residual stream's variance does not
+        grow with depth."""
+        residual = 0.02 / math.sqrt(2 * self.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, 0.02, generator=generator)
+            elif isinstance(module, nn.Linear) and module is not self.lm_head:  # lm_head's weight is wte's
+                std = residual if name.endswith(("c_proj", "mlp.2")) else 0.02
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+
 # ------------------------------------------------------------------ config -> model
 
 
@@ -302,7 +415,9 @@ def build_model(
     """The model a config node names (a mapping with `_target_`), identical on every rank for the same seed."""
     model = _construct(node, in_shape, classes)
     _materialize(model, in_shape)
-    initialize(model, torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    own = getattr(model, "init_weights", None)  # a model with its own scheme (GPT's) draws it from the generator
+    own(generator) if callable(own) else initialize(model, generator)
     return model.to(dtype)
 
 
@@ -322,12 +437,17 @@ CPU_CHECK_PARAMETERS = 16_000_000
 
 
 @torch.no_grad()
-def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "the data set") -> int:
+def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "the data set",
+               tokens: bool = False) -> int:
     """The driver's check of a model against its data: it has parameters to train, takes a batch of
-    ``in_shape`` samples, and gives one score per class. A small model is built and run on two zero
-    samples on the CPU; a large one on torch's meta device (shapes, no memory, no compute). Returns its
-    parameter count; ConfigError (one line) otherwise, where every rank would raise."""
+    ``in_shape`` samples, and gives one score per class (``tokens``: samples are token ids, and a score per
+    class at every position). A small model is built and run on two zero samples on the CPU; a large one on
+    torch's meta device (shapes, no memory, no compute). Returns its parameter count; ConfigError (one line)
+    otherwise, where every rank would raise."""
     what = f"model._target_={node.get('_target_')!r}"
+    if getattr(config.target_of(node, "model"), "takes_tokens", False) and not tokens:
+        raise ConfigError(f"{what} takes token ids; {data} gives samples of features shaped {tuple(in_shape)}; "
+                          "allowed: a data set of tokens (dataset=text)")
     with torch.device("meta"):  # its size, before anything is allocated (lazy layers are sized below)
         sized = sum(p.numel() for p in _construct(node, in_shape, classes).parameters()
                     if not isinstance(p, nn.parameter.UninitializedParameter))
@@ -335,18 +455,21 @@ def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "
         model = _construct(node, in_shape, classes)
         try:
             _materialize(model, in_shape)
-            out = model(torch.zeros(2, *in_shape))
+            out = model(torch.zeros(2, *in_shape, dtype=torch.long if tokens else torch.float32))
         except (RuntimeError, ValueError, TypeError, IndexError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"{what} cannot take {data}'s samples of shape {tuple(in_shape)}: {first}; "
+            kind = "token ids" if tokens else "samples"
+            raise ConfigError(f"{what} cannot take {data}'s {kind} of shape {tuple(in_shape)}: {first}; "
                               "allowed: a model and data set whose shapes fit") from None
     count = sum(p.numel() for p in model.parameters())
     if count == 0:
         raise ConfigError(f"{what} has no parameters to train; allowed: a model with parameters")
     shape = tuple(getattr(out, "shape", ()))
-    if shape != (2, classes):
+    expected = (2, *in_shape, classes) if tokens else (2, classes)
+    if shape != expected:
+        axes = "(batch, positions, classes)" if tokens else "(batch, classes)"
         raise ConfigError(f"{what} gives outputs of shape {shape} for a batch of 2 samples of {data} "
-                          f"({classes} classes); allowed: (batch, classes) = (2, {classes})")
+                          f"({classes} classes); allowed: {axes} = {expected}")
     return count
 
 

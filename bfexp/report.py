@@ -729,16 +729,25 @@ class Plotter:
         self.save(fig, "consensus_distance.png")
 
 
-    def bytes_plot(self) -> None:
-        """Held-out accuracy against the bytes each rank has sent (metrics.jsonl's bytes_sent, log scale):
-        what a compressed or less frequent exchange buys for what it sends."""
+    # What the bytes plots draw against the bytes sent: (axis label, title, log y axis).
+    BYTES_PLOTS = {
+        "accuracy": ("held-out accuracy (fraction, mean over ranks)", "Accuracy", False),
+        # A language model's (dataset=text): exp of the held-out mean token cross-entropy, lower is better.
+        "perplexity": ("held-out perplexity (mean over ranks' losses, log scale)", "Perplexity", True),
+    }
+
+    def bytes_plot(self, key: str = "accuracy") -> None:
+        """Held-out accuracy (or a language model's perplexity) against the bytes each rank has sent
+        (metrics.jsonl's bytes_sent, log scale): what a compressed or less frequent exchange buys for what
+        it sends. ``<key>_vs_bytes.png``."""
+        ylabel, what, log_y = self.BYTES_PLOTS[key]
         fig = self.figure()
         ax = fig.add_subplot()
         silent, drawn = [], 0
         for i, job in enumerate(self.ok):
-            pts = [(b, a) for b, a in curve(job.records, "bytes_sent", "accuracy") if b > 0]
+            pts = [(b, a) for b, a in curve(job.records, "bytes_sent", key) if b > 0]
             if not pts:
-                if curve(job.records, "bytes_sent", "accuracy"):
+                if curve(job.records, "bytes_sent", key):
                     silent.append(job_label(job, self.swept))  # one rank: nothing to send
                 continue
             color = self.colors.get(series_label(job, self.swept))
@@ -747,13 +756,15 @@ class Plotter:
             ax.plot(*pts[-1], marker="o", ms=6, color=color)  # where the run ended
             drawn += 1
         if not drawn:
-            self.notes.append("No accuracy-vs-bytes plot: no completed job logged bytes_sent above 0.")
+            if key == "accuracy":
+                self.notes.append("No accuracy-vs-bytes plot: no completed job logged bytes_sent above 0.")
             return
         self.log_axes(ax, xscale="log", xlabel="bytes sent per rank (cumulative, compressed as sent)",
-                      ylabel="held-out accuracy (fraction, mean over ranks)",
-                      title="Accuracy vs bytes sent (log scale); a dot marks each run's end")
+                      ylabel=ylabel, title=f"{what} vs bytes sent (log scale); a dot marks each run's end")
+        if log_y:
+            ax.set_yscale("log")
         self.footnote(fig, "Not drawn (sent nothing): " + "; ".join(silent[:4]) if silent else "")
-        self.save(fig, "accuracy_vs_bytes.png")
+        self.save(fig, f"{key}_vs_bytes.png")
 
 
 def draw_plots(out: Path, jobs: list[Job], swept: list[str]) -> tuple[list[Path], list[str]]:
@@ -765,6 +776,7 @@ def draw_plots(out: Path, jobs: list[Job], swept: list[str]) -> tuple[list[Path]
     plotter.training_plots()
     plotter.consensus_plot()
     plotter.bytes_plot()
+    plotter.bytes_plot("perplexity")  # drawn where some job logged a perplexity (a language model's)
     if plotter.left_out:
         plotter.notes.append(f"{len(plotter.left_out)} failed or diverged job(s) are in the table but not in the plots.")
     return plotter.written, plotter.notes

@@ -87,6 +87,8 @@ FIELDS = (
     Field("status", "status", "status"),
     Field("final_loss", "loss", "loss"),
     Field("final_accuracy", "acc", "accuracy"),
+    # A language model's (dataset=text): exp of the mean held-out token cross-entropy; accuracy is next-token.
+    Field("final_perplexity", "ppl", "held-out perplexity"),
     Field("consensus_distance", "consensus", "consensus distance"),
     # Mean over ranks of the bytes one training step put on the wire, compressed as sent (Engine.bytes_sent).
     Field("bytes_sent_per_step", "bytes/step", "bytes sent per step (per rank)"),

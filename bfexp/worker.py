@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from bfexp import checkpoint, config, probes, results, scaling, watchdog
@@ -39,7 +38,8 @@ from bfexp.comm.engine import Engine
 from bfexp.data import BatchSampler, RankData
 from bfexp.heterogeneity import Heterogeneity, Pace
 from bfexp.torch_internals import defer_dynamo
-from bfexp.metrics import EvalSchedule, StepTimer, consensus_distance, evaluate, gather_floats, global_mean, held_out
+from bfexp.metrics import (EvalSchedule, StepTimer, consensus_distance, cross_entropy, evaluate, gather_floats,
+                           global_mean, held_out, model_input, perplexity)
 from bfexp.models import build_model, sample_shape
 from bfexp.timeline import Timeline, span
 from bfexp.topology import Topology
@@ -79,7 +79,7 @@ def train_step(net: torch.nn.Module | None, optimizer: Any, x: torch.Tensor | No
     computing = time.perf_counter()
     optimizer.zero_grad()
     with span(timeline, "forward"):
-        loss = F.cross_entropy(net(x.to(dtype)).float(), y)
+        loss = cross_entropy(net(model_input(x, dtype)), y)
     with span(timeline, "backward"):
         loss.backward()
     if pace is not None:
@@ -110,6 +110,7 @@ class Built:
     dtype: torch.dtype
     device: torch.device
     notes: list[str] = field(default_factory=list)  # what the assembly noted (the driver printed the same)
+    tokens: bool = False  # samples are token ids with a target per position (a language model's data)
 
 
 def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
@@ -144,8 +145,9 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
     net = optimizer.module if optimizer.module is not None else model  # ddp: the DDP wrapper
     if getattr(type(optimizer), "asynchronous", False):  # virtual ranks: window ops in simulated-clock order
         engine.schedule()
+    tokens = data.tokens if data is not None else bool(getattr(dataset, "tokens", False))
     return Built(made.topology, data, model, optimizer, net, make_model, make_optimizer, in_shape, classes, dtype,
-                 device, made.notes)
+                 device, made.notes, tokens)
 
 
 def is_baseline(cfg: Any) -> bool:
@@ -190,7 +192,8 @@ class Training:
                                 steps=steps, first=self.timer.warmup + 1,
                                 own_steps=engine.size == 1 and not self.heterogeneity.active)
         mark(engine, "single-rank reference: cache look-up")
-        self.test = held_out(data.test_x.to(job.device, job.dtype), data.test_y.to(job.device), cfg.get("eval_subset"))
+        self.test = held_out(model_input(data.test_x.to(job.device), job.dtype), data.test_y.to(job.device),
+                             cfg.get("eval_subset"))
         # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
         # loop's own state: the logging window's sums, the last record, the bytes this rank's training
         # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
@@ -288,13 +291,16 @@ class Training:
             engine, optimizer.evaluation_parameters())
         if evaluating:
             self.last_eval = {"eval_loss": eval_loss, "accuracy": accuracy}
+            if self.job.tokens:  # a language model's: exp of the mean held-out token cross-entropy
+                self.last_eval["perplexity"] = perplexity(eval_loss)
             evals.spent(eval_s)
         self.record = {
             "step": step,
             "epoch": round(self.sampler.epoch_progress(), 4),
             "loss": train_loss,
             # null where this step did not evaluate (EvalSchedule)
-            **(self.last_eval if evaluating else {"eval_loss": None, "accuracy": None}),
+            **(self.last_eval if evaluating else
+               dict.fromkeys(("eval_loss", "accuracy", "perplexity") if self.job.tokens else ("eval_loss", "accuracy"))),
             "consensus_distance": consensus,
             "step_time_s": step_time,
             "throughput_samples_per_s": scaling.throughput(engine.size, self.sampler.batch_size, step_time),
@@ -324,6 +330,7 @@ class Training:
             "final_loss": record.get("loss"),
             "final_eval_loss": self.last_eval.get("eval_loss"),  # the last evaluation's
             "final_accuracy": self.last_eval.get("accuracy"),
+            **({"final_perplexity": self.last_eval.get("perplexity")} if job.tokens else {}),
             "consensus_distance": record.get("consensus_distance"),
             "steps": record.get("step", 0),
             "epochs": record.get("epoch"),
@@ -510,6 +517,8 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
         g = torch.Generator().manual_seed(cfg.seed)
 
         def batches() -> tuple[torch.Tensor, torch.Tensor]:  # random samples of the declared shape
+            if job.tokens:  # random token ids, a target per position
+                return tuple(torch.randint(0, job.classes, (batch, *job.in_shape), generator=g) for _ in range(2))
             return (torch.randn(batch, *job.in_shape, generator=g, dtype=job.dtype),
                     torch.randint(0, job.classes, (batch,), generator=g))
 

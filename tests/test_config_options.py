@@ -31,6 +31,11 @@ EXTRA: dict[tuple[str, str], list[str]] = {
     # 25.6M parameters: 16x16 synthetic images, tiny batches, one-step probes, no reference cache.
     ("model", "resnet50"): ["dataset.features=768", "dataset.eval_samples=8", "batch_size=4", "lr=0.01",
                             "baseline_steps=1", "scaling.reference_steps=1", "scaling.reference_cache=null"],
+    # A language model needs text, and text a language model: both tiny.
+    ("model", "gpt"): ["dataset=text", "dataset.block_size=16", "dataset.eval_samples=8", "model.n_embd=16",
+                       "model.n_layer=1", "batch_size=8"],
+    ("dataset", "text"): ["model=gpt", "dataset.block_size=16", "dataset.eval_samples=8", "model.n_embd=16",
+                          "model.n_layer=1", "batch_size=8"],
     ("dataset", "mnist"): ["dataset.root=${oc.env:BFEXP_TEST_MNIST}"],
     ("dataset", "cifar10"): ["dataset.root=${oc.env:BFEXP_TEST_CIFAR10}"],
     # A graph file of the tests' own (2 ranks, one edge each way).
@@ -44,6 +49,8 @@ if not os.environ.get("SLURM_JOB_ID"):
     UNAVAILABLE[("launcher", "srun")] = "launcher=srun runs inside a Slurm allocation (tests/test_slurm.py runs it)"
 if importlib.util.find_spec("wandb") is None:
     UNAVAILABLE[("logger", "wandb")] = "wandb is an optional extra: pip install 'bfexp[wandb]'"
+if importlib.util.find_spec("tensorboard") is None:
+    UNAVAILABLE[("logger", "tensorboard")] = "tensorboard is an optional extra: pip install 'bfexp[tensorboard]'"
 
 
 def _nccl_unavailable() -> None:

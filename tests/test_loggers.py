@@ -15,6 +15,7 @@ from bfexp.progress import ConsoleProgress
 from tests.conftest import BFEXP
 
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def test_plain_progress_lines_with_eta(monkeypatch):
@@ -51,16 +52,18 @@ def test_no_progress_when_disabled(monkeypatch):
     assert out.getvalue() == ""
 
 
-def test_wandb_missing_exits_2_with_the_install_command(tmp_path):
-    """Without wandb importable (None in sys.modules hides it), logger=wandb stops before any rank."""
+@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
+def test_tracker_missing_exits_2_with_the_install_command(tmp_path, package):
+    """Without the package importable (None in sys.modules hides it; find_spec then raises ValueError, so the
+    finder is told it is absent), logger=<package> stops before any rank."""
     (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "hide"))
-    proc = subprocess.run(BFEXP + ["logger=wandb", "hydra.run.dir=run"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
+    (tmp_path / "hide" / "sitecustomize.py").write_text(f"import sys\nsys.modules['{package}'] = None\n")
+    path = os.pathsep.join([str(tmp_path / "hide"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.run(BFEXP + [f"logger={package}", "hydra.run.dir=run"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "bfexp: error: logger=wandb needs the wandb package; install it with: pip install 'bfexp[wandb]'"]
+        f"bfexp: error: logger={package} needs the {package} package; install it with: pip install 'bfexp[{package}]'"]
     assert not (tmp_path / "run" / "logs").exists(), "no rank was started"
 
 
@@ -113,3 +116,31 @@ def test_wandb_offline_run_per_job_grouped_by_sweep(bfexp, monkeypatch):
                for u in r.summary.update}
     assert summary["status"] == '"completed"' and summary["steps"] == "4"
     assert next(r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit") == 0
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is an optional extra (pip install 'bfexp[tensorboard]')")
+def test_tensorboard_event_files_hold_every_record_and_the_summary(bfexp):
+    """Read back with TensorBoard's own reader: each metrics.jsonl record's numbers at its step, the summary's
+    numbers under summary/, the config as text."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc = bfexp("ranks=2", "steps=6", "log_every=2", "logger=tensorboard", "engine=threads", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    run = bfexp.cwd / "run"
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == [r["step"] for r in records] == [2, 4, 6]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in records], rel=1e-6)  # stored as float32
+    assert [e.value for e in events.Scalars("bytes_sent")] == pytest.approx([r["bytes_sent"] for r in records])
+    final = events.Scalars("summary/final_loss")
+    assert [e.step for e in final] == [6] and final[0].value == pytest.approx(summary["final_loss"], rel=1e-6)
+    assert events.Scalars("summary/bytes_sent_per_step")[0].value == pytest.approx(summary["bytes_sent_per_step"])
+    texts = events.Tensors("config/text_summary")
+    assert "name: tensorboard" in texts[0].tensor_proto.string_val[0].decode()
+    status = events.Tensors("summary/status/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert status == "completed"
