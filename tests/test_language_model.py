@@ -250,6 +250,7 @@ emit({"loss": trained.loss, "parameters": trained.parameters.tolist()})
 """
 
 
+@pytest.mark.large  # two MPI ranks and two virtual ones, 13 s of CPU: .ci/run
 def test_mpi_ranks_and_virtual_ranks_train_the_same_float64_numbers(tmp_path):
     """One spawn of 2 MPI ranks and 2 threads run the worker's real train for 4 steps of DSGD in float64."""
     from bfexp.comm.threads import run_threads
