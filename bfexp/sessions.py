@@ -156,9 +156,8 @@ _LOST = ((re.compile(r"Remote daemon:.*\son node\s+(\S+)"), "lost: its daemon st
          (re.compile(r"daemon failed to report back.*?Remote host:\s+(\S+)", re.S),
           "lost: its daemon stopped answering (the host or its link is down)"),
          (re.compile(r"Peer host:\s+(\S+)"), "a rank there ended without a word (killed, or its host is down)"))
-# srun's word on a task: "srun: error: hostB: task 1: Killed"; on its own ending of the step; on tasks never heard of.
+# srun's word on a task ("srun: error: hostB: task 1: Killed") and on tasks it never heard from again.
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$", re.M)
-_SRUN_ENDS_STEP = "_step_signal: Terminating"
 _SRUN_UNHEARD = "Timed out waiting for job step to complete"
 
 
@@ -193,10 +192,11 @@ def lost_host(run_dir: Path) -> str | None:
         if hosts and None not in hosts:
             return "; ".join(f"host {h}{_on_host(run_dir, h)} lost: srun never heard from its tasks again "
                              "(the host or its link is down)" for h in hosts)
-    before_srun_ended_it = text.split(_SRUN_ENDS_STEP, 1)[0]
-    killed = next((m for m in _SRUN_TASK.finditer(before_srun_ended_it) if "Killed" in m.group(3) or "signal" in m.group(3)), None)
+    # Tasks that died by a signal; the others exited, most of them aborting because a peer vanished (Open MPI's
+    # exit code 14). srun reports them in the order it hears, which under load is not the order they died in.
+    killed = [m for m in tasks if "Killed" in m.group(3) or "signal" in m.group(3)]
     if killed:
-        return f"rank {killed.group(2)} on {killed.group(1)}: {killed.group(3).strip().lower()} (srun)"
+        return "; ".join(f"rank {m.group(2)} on {m.group(1)}: {m.group(3).strip().lower()} (srun)" for m in killed)
     return None
 
 

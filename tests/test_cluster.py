@@ -197,6 +197,11 @@ LOST = [
      "  Peer host:  hostB\n", "host hostB (rank 1) a rank there ended without a word"),
     ("srun: error: hostB: task 1: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=3.0\n"
      "srun: error: hostA: task 0: Exited with exit code 14\n", "rank 1 on hostB: killed (srun)"),
+    # the same under load: srun heard of the aborted rank first, and of the killed one after ending the step
+    ("slurmstepd-hostA: error: *** STEP 4.0 ON hostA CANCELLED AT 2026-11-27T06:22:57 ***\n"
+     "srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\n"
+     "srun: error: hostA: task 0: Exited with exit code 14\nsrun: launch/slurm: _step_signal: Terminating StepId=4.0\n"
+     "srun: error: hostB: task 1: Killed\n", "rank 1 on hostB: killed (srun)"),
     ("srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\n"
      "srun: error: hostA: task 0: Exited with exit code 14\nsrun: launch/slurm: _step_signal: Terminating StepId=4.0\n"
      "srun: error: hostC: task 2: Killed\nsrun: error: Timed out waiting for job step to complete\n",
