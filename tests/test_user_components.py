@@ -3,8 +3,8 @@
 The user's code lives in their own module (here written into the job's
 working folder, as a user's package would be on their path): the model by
 `model._target_=...` on the command line, the data set by a YAML in the
-user's own config dir (`--config-dir`), exactly as README "Your own model
-and data" shows. Both run on real MPI ranks and on virtual ranks.
+user's own config dir (`--config-dir`), exactly as docs/how-to/own-components.md
+shows. Both run on real MPI ranks and on virtual ranks.
 """
 
 import json
