@@ -1,5 +1,6 @@
 """bfexp's command lines called in this interpreter, for the tests that run dozens of command lines
-(tests/test_bad_input.py, tests/test_cli_args.py): one interpreter start instead of one per line."""
+(tests/test_bad_input.py, tests/test_cli_args.py, tests/test_docs_commands.py): one interpreter start instead of
+one per line."""
 
 from __future__ import annotations
 
@@ -9,24 +10,56 @@ import traceback
 from typing import Any
 
 
-def call(args: list[str]) -> dict[str, Any]:
-    """``bfexp ARGS`` here: its exit code, what it printed and any exception that escaped the CLI (a bug),
-    with Hydra's and the CLI's state reset for the next call."""
-    import bfexp.cli as cli
-    from hydra.core.global_hydra import GlobalHydra
-
+def captured(function: Any, *args: Any) -> dict[str, Any]:
+    """``function(*args)`` with its output captured: the exit code it gave (SystemExit), what it printed, and any
+    other exception that escaped it (a bug) as its traceback."""
     err, out = io.StringIO(), io.StringIO()
     code, escaped = 0, None
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
-            cli.command(args)
+            function(*args)
         except SystemExit as e:
             code = e.code
         except BaseException:
             escaped = traceback.format_exc()
+    return {"code": code, "stderr": err.getvalue(), "stdout": out.getvalue(), "escaped": escaped}
+
+
+def call(args: list[str]) -> dict[str, Any]:
+    """``bfexp ARGS`` here (``captured``), with Hydra's and the CLI's state reset for the next call."""
+    import bfexp.cli as cli
+    from hydra.core.global_hydra import GlobalHydra
+
+    got = captured(cli.command, args)
     GlobalHydra.instance().clear()
     cli.reset_state()
-    return {"code": code, "stderr": err.getvalue(), "stdout": out.getvalue(), "escaped": escaped}
+    return got
+
+
+def compose_only() -> list[dict[str, Any]]:
+    """From here on, ``call`` composes every job without running it: the list returned gets each job's Hydra mode,
+    choices, overrides, sweep folder and resolved config. A Slurm sweep's points are composed here, not submitted;
+    the sweep's check of every point goes too, since it runs a job's own checks (files that exist, classes that
+    import), which are run_job's (tests/test_bad_input.py has them)."""
+    import bfexp.cli as cli
+    import bfexp.launchers.slurm_sweep as slurm_sweep
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    jobs: list[dict[str, Any]] = []
+
+    def record(cfg: Any) -> str:
+        hydra = HydraConfig.get()
+        jobs.append({"mode": hydra.mode.name, "choices": OmegaConf.to_container(hydra.runtime.choices),
+                     "task": list(hydra.overrides.task), "hydra": list(hydra.overrides.hydra),
+                     "sweep_dir": str(hydra.sweep.dir), "config": OmegaConf.to_container(cfg, enum_to_str=True)})
+        return "completed"
+
+    slurm_sweep.launch = BasicLauncher.launch
+    cli.run_job = record
+    cli.check_sweep = lambda config: None
+    return jobs
 
 
 MAINS = {"bfexp-report": "bfexp.report", "bfexp-topology": "bfexp.topology.cli"}
@@ -36,14 +69,4 @@ def call_main(command: str, args: list[str]) -> dict[str, Any]:
     """Another of bfexp's commands (``bfexp-report``, ``bfexp-topology``) called here with ``args``, as ``call``."""
     import importlib
 
-    main = importlib.import_module(MAINS[command]).main
-    err, out = io.StringIO(), io.StringIO()
-    code, escaped = 0, None
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            main(args)
-        except SystemExit as e:
-            code = e.code
-        except BaseException:
-            escaped = traceback.format_exc()
-    return {"code": code, "stderr": err.getvalue(), "stdout": out.getvalue(), "escaped": escaped}
+    return captured(importlib.import_module(MAINS[command]).main, args)

@@ -241,28 +241,9 @@ EXTRA = {
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
-    import bfexp.cli as cli
-    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-    from hydra.core.hydra_config import HydraConfig
-    from tests.cli_in_process import call
-    from omegaconf import OmegaConf
-    import bfexp.launchers.slurm_sweep as slurm_sweep
+    from tests.cli_in_process import call, compose_only
 
-    slurm_sweep.launch = BasicLauncher.launch  # Slurm sweep points: composed here, not submitted
-    jobs = []
-
-    def compose_only(cfg):
-        hydra = HydraConfig.get()
-        jobs.append({"mode": hydra.mode.name, "choices": OmegaConf.to_container(hydra.runtime.choices),
-                     "task": list(hydra.overrides.task), "hydra": list(hydra.overrides.hydra),
-                     "sweep_dir": str(hydra.sweep.dir),
-                     "config": OmegaConf.to_container(cfg, enum_to_str=True)})
-        return "completed"
-
-    cli.run_job = compose_only
-    # A job's own checks (files that exist, classes that import) are run_job's, replaced above; the sweep's
-    # check of every point before the first job runs the same checks, so it goes too (test_bad_input has it).
-    cli.check_sweep = lambda config: None
+    jobs = compose_only()
     out = {}
     for case in json.loads(sys.argv[1]):
         folder = Path(case["folder"])

@@ -145,30 +145,12 @@ def all_commands(root: Path = REPO) -> list[Command]:
 DRIVER = textwrap.dedent("""
     import argparse, importlib, json, os, sys, time
     from pathlib import Path
-    import bfexp.cli as cli
-    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-    import bfexp.launchers.slurm_sweep as slurm_sweep
-    from tests.cli_in_process import call, call_main
+    from tests.cli_in_process import call, call_main, captured, compose_only
 
-    slurm_sweep.launch = BasicLauncher.launch  # Slurm sweep points: composed here, not submitted
-    jobs = []
-
-    def compose_only(cfg):
-        hydra = HydraConfig.get()
-        jobs.append({"mode": hydra.mode.name, "choices": OmegaConf.to_container(hydra.runtime.choices),
-                     "task": list(hydra.overrides.task), "hydra": list(hydra.overrides.hydra),
-                     "config": OmegaConf.to_container(cfg, enum_to_str=True)})
-        return "completed"
-
-    cli.run_job = compose_only
+    jobs = compose_only()
     # No job ran: the sweep's report (tables, plots) has nothing to read.
     import bfexp.report
     bfexp.report.MultirunReport.on_multirun_end = lambda self, config, **kwargs: None
-    # The sweep's check of every point runs a job's own checks (files that exist, classes that import): run_job's,
-    # replaced above (tests/test_bad_input.py has them).
-    cli.check_sweep = lambda config: None
 
     # make test composes a sweep of more than 3 points at its first and last (each point costs 0.5 s of CPU,
     # a study has up to 16); the `large` test composes every point.
@@ -196,7 +178,7 @@ DRIVER = textwrap.dedent("""
     def parse_main(program, args):
         if program == "bfexp-run":
             import bfexp.run
-            return call_run(bfexp.run.parse, args)
+            return captured(bfexp.run.parse, args)
         argparse.ArgumentParser.parse_args = parse_then_stop
         try:
             got = call_main(program, args)
@@ -204,18 +186,6 @@ DRIVER = textwrap.dedent("""
             argparse.ArgumentParser.parse_args = parse_args
         parsed = got["escaped"] is not None and "Parsed" in got["escaped"].strip().splitlines()[-1]
         return {**got, "escaped": None if parsed else got["escaped"], "code": 0 if parsed else (got["code"] or 1)}
-
-    def call_run(parse, args):
-        import contextlib, io, traceback
-        err, code, escaped = io.StringIO(), 0, None
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                parse(args)
-            except SystemExit as e:
-                code = e.code
-            except BaseException:
-                escaped = traceback.format_exc()
-        return {"code": code, "stderr": err.getvalue(), "stdout": "", "escaped": escaped}
 
     out = {}
     for case in json.loads(sys.argv[1]):
