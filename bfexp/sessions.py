@@ -169,8 +169,9 @@ def _task_numbers(spec: str) -> set[int]:
     return out
 
 
-def _on_host(run_dir: Path, host: str) -> str:
-    ranks = sorted(r for r, hb in watchdog.read_heartbeats(run_dir).items() if hb.get("host") == host)
+def _on_host(hosts_of: dict[int, str | None], host: str) -> str:
+    """" (rank 1)" or " (ranks 2, 3)": the ranks whose heartbeats said they ran on ``host``."""
+    ranks = sorted(r for r, h in hosts_of.items() if h == host)
     return f" ({'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))})" if ranks else ""
 
 
@@ -181,17 +182,18 @@ def lost_host(run_dir: Path) -> str | None:
         text = (Path(run_dir) / results.LOGS_DIR / "mpiexec.log").read_text(errors="replace")
     except OSError:
         return None
+    hosts_of = {r: hb.get("host") for r, hb in watchdog.read_heartbeats(run_dir).items()}
     for pattern, meaning in _LOST:  # mpirun
         m = pattern.search(text)
         if m:
-            return f"host {m.group(1)}{_on_host(run_dir, m.group(1))} {meaning}"
+            return f"host {m.group(1)}{_on_host(hosts_of, m.group(1))} {meaning}"
     tasks = list(_SRUN_TASK.finditer(text))  # srun
     if _SRUN_UNHEARD in text:  # tasks srun never heard from again: their machine is gone
         heard = set().union(*(_task_numbers(m.group(2)) for m in tasks))
-        hosts = sorted({hb.get("host") for r, hb in watchdog.read_heartbeats(run_dir).items() if r not in heard})
-        if hosts and None not in hosts:
-            return "; ".join(f"host {h}{_on_host(run_dir, h)} lost: srun never heard from its tasks again "
-                             "(the host or its link is down)" for h in hosts)
+        unheard = {h for r, h in hosts_of.items() if r not in heard}
+        if unheard and None not in unheard:  # every unheard rank said where it ran
+            return "; ".join(f"host {h}{_on_host(hosts_of, h)} lost: srun never heard from its tasks again "
+                             "(the host or its link is down)" for h in sorted(unheard))
     # Tasks that died by a signal; the others exited, most of them aborting because a peer vanished (Open MPI's
     # exit code 14). srun reports them in the order it hears, which under load is not the order they died in.
     killed = [m for m in tasks if "Killed" in m.group(3) or "signal" in m.group(3)]

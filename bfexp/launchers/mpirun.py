@@ -94,8 +94,7 @@ class Mpirun(Launcher):
     def check(self, ranks: int) -> None:
         check_interface(self.network_interface)
         machines = self.machines()
-        for host, _ in machines:
-            check_host(host, self.key)
+        check_hosts([host for host, _ in machines], self.key)
         slots = sum(n for _, n in machines)
         if slots < ranks:
             raise ConfigError(f"ranks={ranks} exceed the {slots} slots of {self.key}; allowed: ranks <= {slots}, "
@@ -185,31 +184,40 @@ def is_this_machine(host: str) -> bool:
     return False
 
 
-def check_host(host: str, key: str) -> None:
-    """A host must resolve, and (when it is another machine) answer ssh without a password and see the working
-    folder (LaunchError). Its answer removes Open MPI's folders of daemons that are gone (a job whose machine
-    crashed, say)."""
-    if host in _ANSWERED or is_this_machine(host):
-        return
+def check_hosts(hosts: list[str], key: str) -> None:
+    """Each host must resolve, and (when it is another machine) answer ssh without a password and see the working
+    folder (LaunchError, for the first host in order that does not). The other machines are asked at once; their
+    answer removes Open MPI's folders of daemons that are gone (a job whose machine crashed, say)."""
+    remote = [h for h in dict.fromkeys(hosts) if h not in _ANSWERED and not is_this_machine(h)]
+    resolved = [h for h in remote if _resolves(h)]
+    ssh = shutil.which("ssh") is not None
+    # The ranks read their config from the run folder, under the working folder: the hosts must see it.
+    here = os.getcwd()
+    sees = f"test -d {shlex.quote(here)} || {{ echo {NOT_SHARED} >&2; exit 1; }}; "
+    answers = ssh_probe(resolved, SSH_TIMEOUT_S, sees + STALE_SESSION_FOLDERS) if ssh and resolved else {}
+    for host in remote:
+        if host not in resolved:
+            raise LaunchError(f"{key}: host {host} does not resolve; allowed: host names this machine resolves")
+        if not ssh:
+            raise LaunchError(f"{key}: host {host} is another machine and ssh is not installed here; "
+                              "allowed: this machine's names, or install ssh")
+        answer = answers[host]
+        if answer == NOT_SHARED:
+            raise LaunchError(f"{key}: host {host} does not see the working folder {here} (every rank reads the job's "
+                              "config and writes its records in the run folder there); allowed: a folder every host "
+                              "mounts at the same path, e.g. a shared home or scratch")
+        if answer is not None:
+            raise LaunchError(f"{key}: host {host} is not reachable over ssh ({answer}); "
+                              "allowed: hosts that answer `ssh -o BatchMode=yes HOST true`")
+    _ANSWERED.update(remote)
+
+
+def _resolves(host: str) -> bool:
     try:
         socket.getaddrinfo(host, None)
     except OSError:
-        raise LaunchError(f"{key}: host {host} does not resolve; allowed: host names this machine resolves") from None
-    if shutil.which("ssh") is None:
-        raise LaunchError(f"{key}: host {host} is another machine and ssh is not installed here; "
-                          "allowed: this machine's names, or install ssh")
-    # The ranks read their config from the run folder, under the working folder: the host must see it.
-    here = os.getcwd()
-    sees = f"test -d {shlex.quote(here)} || {{ echo {NOT_SHARED} >&2; exit 1; }}; "
-    answer = ssh_probe([host], SSH_TIMEOUT_S, sees + STALE_SESSION_FOLDERS)[host]  # and clears what crashed jobs left
-    if answer == NOT_SHARED:
-        raise LaunchError(f"{key}: host {host} does not see the working folder {here} (every rank reads the job's "
-                          "config and writes its records in the run folder there); allowed: a folder every host "
-                          "mounts at the same path, e.g. a shared home or scratch")
-    if answer is not None:
-        raise LaunchError(f"{key}: host {host} is not reachable over ssh ({answer}); "
-                          "allowed: hosts that answer `ssh -o BatchMode=yes HOST true`")
-    _ANSWERED.add(host)
+        return False
+    return True
 
 
 def check_interface(name: str | None) -> None:
