@@ -190,8 +190,16 @@ def load_moved(then: float | None, now: float | None, margin: float) -> bool:
     return abs(float(now) - float(then)) > margin
 
 
-def contention_note(ranks: int, cores: int, on_cpu: bool) -> str | None:
-    """A warning for CPU ranks that outnumber the cores they share, else None."""
+def contention_note(ranks: int, cores: int, on_cpu: bool, quotas: Mapping[str, Any] | None = None) -> str | None:
+    """A warning for CPU ranks that outnumber the cores they share, else None. ``quotas``: the emulated
+    cluster's hosts (all on this machine) and their CPU quota in cores ("none": no quota)."""
+    if quotas:
+        asked = [float(q) for q in quotas.values() if q not in (None, "none")]
+        if len(asked) < len(quotas) or sum(asked) > cores:
+            given = " + ".join(str(q) for q in quotas.values())
+            return (f"the emulated hosts' CPU quotas ({given} cores) exceed this machine's {cores} cores: measured "
+                    f"throughput and scaling efficiency show CPU contention too; give each host less (launcher.cpu)")
+        return None
     if not on_cpu or ranks <= cores:
         return None
     return (
@@ -258,8 +266,9 @@ def cluster(scaling: Mapping[str, Any], cores: int | None = None) -> costmodel.C
         inter=costmodel.Link(float(scaling["inter_latency_s"]), float(scaling["inter_bandwidth_gbyte_per_s"]) * 1e9),
         nic_shared=bool(scaling["nic_shared"]),
         reduce_bytes_per_s=float(scaling["reduce_gbyte_per_s"]) * 1e9,
-        cores=(cores or processor_count()) if scaling.get("shares_cores", False) else 0,
+        cores=(scaling.get("cores") or cores or processor_count()) if scaling.get("shares_cores", False) else 0,
         allreduce=str(scaling["allreduce"]),
+        stack_bytes_per_s=float(scaling.get("inter_stack_gbyte_per_s") or math.inf) * 1e9,
     )
 
 

@@ -111,7 +111,12 @@ def scaling_block(cfg: Any, engine: Any | None, measured: dict | None, modeled: 
         out.update(machine_layout(cfg, engine))
         cores = scaling.processor_count()
         out["cores"] = cores
-        out["contention"] = scaling.contention_note(engine.size, cores, engine.device_type == "cpu")
+        facts = {} if engine.virtual else launcher_of(cfg).facts(engine.size)
+        out.update(facts)
+        # the ranks that share one machine's cores: across machines, those of a machine
+        sharing = engine.local_size if engine.machines > 1 else engine.size
+        out["contention"] = scaling.contention_note(sharing, cores, engine.device_type == "cpu",
+                                                    (facts.get("emulated_cluster") or {}).get("cpu_per_host"))
     else:
         out["contention"] = None
     return out
