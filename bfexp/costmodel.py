@@ -316,13 +316,22 @@ def step_estimate(
     backward_fraction: float = 2 / 3,
     overlap: bool = True,
     period: int = 1,
+    buckets: int = 0,
 ) -> StepEstimate:
     """Compute plus the communication backward does not hide, every ``period`` steps.
 
     With overlap, communication runs during the backward pass
     (``backward_fraction`` of compute) and only what sticks out past it
-    costs time.
+    costs time. ``buckets`` k: the message goes in k equal buckets, bucket j
+    ready j/k of the way through backward, one after another on the link, so
+    the exchange ends max(c/k, c - backward (k-1)/k) after backward (the
+    last bucket always waits for backward's end: one bucket hides nothing);
+    0: as finely cut as it takes, max(0, c - backward).
     """
-    hidden = backward_fraction * compute_s if overlap else 0.0
-    exposed = max(0.0, comm_s - hidden) / max(1, period)
+    backward = backward_fraction * compute_s if overlap else 0.0
+    if buckets >= 1 and overlap:
+        exposed = max(comm_s / buckets, comm_s - backward * (buckets - 1) / buckets)
+    else:
+        exposed = max(0.0, comm_s - backward)
+    exposed /= max(1, period)
     return StepEstimate(compute_s, comm_s, exposed, compute_s + exposed)

@@ -5,9 +5,9 @@
 
 Needs the cluster up with as many hosts as the largest count (``scripts/cluster_local.sh up --hosts 4``,
 as root). One rank per host, each host held to ``--cpu`` cores. First, on two hosts with unshaped links,
-it calibrates what is not the wire: the latency of one message (a one-float exchange), how fast a host
-combines (a weighted add of two vectors) and how fast its network stack moves bytes when the link is not
-the limit (an exchange of ``--floats`` floats, less its combine); figures per core (divided by --cpu).
+it calibrates what is not the wire: the fixed cost of one large message and how fast a host's network stack
+moves bytes when the link is not the limit (a line through exchanges of --floats/8, /2 and /1 floats, less
+their combine), and how fast a host combines (a weighted add of two vectors); per core (divided by --cpu).
 Then, for each link rate (every used host's link shaped to it) and host count, it times Open MPI's
 allreduce (its algorithm pinned: launcher=emulated's allreduce_algorithm), bfexp's allreduce (its own
 ring from 8 MiB), and neighbor_allreduce over ring, exp2 and one-peer exp2 (one round), medians of --reps
@@ -70,22 +70,25 @@ def median_time(group: Group, fn, reps: int) -> float:
 
 
 def calibrate(group: Group, size: int, reps: int) -> dict:
-    """Two ranks on unshaped links: latency, combine and stack time (see the module doc)."""
+    """Two ranks on unshaped links: per size (size/8, size/2, size), the combine and the exchange, each exchange
+    against the combine timed just before it (pairs see the same load); medians. See calibrated_figures."""
     engine, peer = group.engine, 1 - group.engine.rank
-    one, x, recv = buffer("one", 1), buffer("x", size), buffer("recv", size)
-    latency = median_time(group, lambda: engine.neighbor_allreduce(one, 0.5, {peer: 0.5}, [peer]), 4 * reps)
+    one = buffer("one", 1)
+    out = {"one_float_s": median_time(group, lambda: engine.neighbor_allreduce(one, 0.5, {peer: 0.5}, [peer]),
+                                      4 * reps), "sizes": {}}
+    for floats in (size // 8, size // 2, size):
+        x, recv = buffer("x", floats), buffer("recv", floats)
 
-    def combine():
-        y = x * 0.5
-        y.add_(recv, alpha=0.5)
+        def combine():
+            y = x * 0.5
+            y.add_(recv, alpha=0.5)
 
-    exchange = lambda: engine.neighbor_allreduce(x, 0.5, {peer: 0.5}, [peer])  # noqa: E731
-    combine(), exchange()  # warm-up
-    # the stack's share of each exchange against the combine timed just before it: pairs see the same load
-    pairs = [(timed_once(group.comm, combine), timed_once(group.comm, exchange)) for _ in range(2 * reps)]
-    combine_s = statistics.median(c for c, _ in pairs)
-    stack_s = statistics.median(e - c - latency for c, e in pairs)
-    return {"latency_s": latency, "combine_s": combine_s, "stack_s": stack_s, "floats": size}
+        exchange = lambda: engine.neighbor_allreduce(x, 0.5, {peer: 0.5}, [peer])  # noqa: E731
+        combine(), exchange()  # warm-up
+        pairs = [(timed_once(group.comm, combine), timed_once(group.comm, exchange)) for _ in range(2 * reps)]
+        out["sizes"][str(floats)] = {"combine_s": statistics.median(c for c, _ in pairs),
+                                     "transfer_s": statistics.median(e - c for c, e in pairs)}
+    return out
 
 
 def ops(group: Group, size: int, reps: int) -> dict:
@@ -148,15 +151,22 @@ def on_cluster(args: argparse.Namespace, ranks: int, rate: str, what: str) -> di
 
 
 def calibrated_figures(cal: dict, cpu: float) -> dict:
-    """The scaling config's figures from a calibration: per core, so the quota scales them."""
-    nbytes = 4 * cal["floats"]
-    stack_s = max(1e-9, cal["stack_s"])
+    """The scaling config's figures from a calibration, per core (so the quota scales them): a least-squares
+    line through each size's transfer time (the exchange less its combine) against the bytes the stack moves
+    (sent plus received): its intercept is the cost of one large message (the one-float exchange is cheaper:
+    a large one is a rendezvous, whose handshake waits on the other rank), its slope the stack's; the
+    combine's speed from the largest size."""
+    sizes = sorted(cal["sizes"], key=int)
+    xs = [2 * 4 * int(s) for s in sizes]
+    ys = [cal["sizes"][s]["transfer_s"] for s in sizes]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    largest = cal["sizes"][sizes[-1]]
     return {
-        "inter_latency_s": cal["latency_s"],
-        # a one-peer exchange moves nbytes out and nbytes in through the stack
-        "inter_stack_gbyte_per_s": 2 * nbytes / stack_s / cpu / 1e9,
+        "inter_latency_s": max(cal["one_float_s"], my - slope * mx),
+        "inter_stack_gbyte_per_s": 1 / max(slope, 1e-12) / cpu / 1e9,
         # the combine reads two vectors
-        "reduce_gbyte_per_s": 2 * nbytes / cal["combine_s"] / cpu / 1e9,
+        "reduce_gbyte_per_s": 2 * 4 * int(sizes[-1]) / largest["combine_s"] / cpu / 1e9,
     }
 
 
@@ -200,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     cal = on_cluster(args, 2, "none", "calibrate")
     figures = calibrated_figures(cal, args.cpu)
-    print(f"calibrated on 2 hosts at {args.cpu:g} cores, unshaped: latency {cal['latency_s'] * 1e6:.0f} us, "
+    print(f"calibrated on 2 hosts at {args.cpu:g} cores, unshaped: one large message {figures['inter_latency_s'] * 1e3:.2f} ms "
+          f"(one float {cal['one_float_s'] * 1e3:.2f} ms), "
           f"stack {figures['inter_stack_gbyte_per_s']:.3g} GB/s per core, "
           f"combine {figures['reduce_gbyte_per_s']:.3g} GB/s per core", flush=True)
     nbytes = 4 * args.size

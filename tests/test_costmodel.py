@@ -179,6 +179,17 @@ def test_overlap_and_local_sgd_period():
     assert close(est.throughput(8, 32), 8 * 32 / 0.13)
 
 
+def test_buckets_backward_releases_hide_what_they_can():
+    # backward 60 ms, communication 100 ms. One bucket waits for the end of backward: all 100 ms show.
+    assert close(costmodel.step_estimate(0.09, 0.1, buckets=1).exposed_comm_s, 0.1)
+    # 4 buckets of 25 ms, ready at 15, 30, 45, 60 ms: the link is busy from 15 ms to 115 ms, 55 ms past backward
+    assert close(costmodel.step_estimate(0.09, 0.1, buckets=4).exposed_comm_s, 0.1 - 0.06 * 3 / 4)
+    # 4 buckets of 5 ms each: the last one, ready at 60 ms, still takes its 5 ms after backward
+    assert close(costmodel.step_estimate(0.09, 0.02, buckets=4).exposed_comm_s, 0.005)
+    # without overlap the buckets change nothing
+    assert close(costmodel.step_estimate(0.09, 0.1, overlap=False, buckets=4).exposed_comm_s, 0.1)
+
+
 def test_ranks_sharing_cores_slow_copies_and_reductions():
     # 4 ranks on 2 cores: bandwidth and reduce terms twice as slow, latency unchanged
     n = 4
