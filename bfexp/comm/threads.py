@@ -142,6 +142,8 @@ class ThreadWorld(Rendezvous):
         self.timeline_dir = timeline_dir
         # Each rank's torch, numpy and Python global RNG states while another rank has the turn (module doc).
         self._rng_states: dict[int, tuple[Any, Any, Any]] = {}
+        # A user's script: every window op hands the turn on (module doc), so ranks interleave as MPI's do.
+        self.window_turns = one_at_a_time
         if one_at_a_time:  # a user's script: one rank thread at a time from the start, each with fresh RNGs
             self._rng_states = {r: _fresh_rng_states() for r in range(size)}
             with self.lock:
@@ -558,6 +560,14 @@ class ThreadsEngine(Engine):
         with source.exclusive():
             into.copy_(source.own)
             return source.weight
+
+    def _run_window_op(self, window: Window, work: Callable[[], Any]) -> Pending:
+        """Run a window op's work now; in a user's script, then hand the turn on (a zero-time ``advance``:
+        the rank with the earliest clock goes next, at equal clocks the one that has waited longest)."""
+        result = work()
+        if self.world.window_turns and self.size > 1:
+            self.world.advance(self._rank, 0.0)
+        return (lambda: result), None
 
     def _win_swap(self, window: Window, peer: int, change: Callable[[torch.Tensor], None]) -> None:
         target = self.world.window(window.name, peer)
