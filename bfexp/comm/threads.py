@@ -26,12 +26,19 @@ A user's own script (bfexp.api.spawn, ``bfexp-run --engine threads``) also
 uses process-global state that MPI ranks each have alone: torch's default
 generator (``torch.manual_seed``, dropout, a shuffling DataLoader), numpy's
 and Python's global RNGs. ``ThreadWorld(one_at_a_time=True)`` runs one
-rank thread at a time from the start, and a rank hands its turn on only
-where it waits for other ranks (or moves its simulated clock), saving the
-three RNG states when it hands on and restoring its own when it gets the
-turn back. Between two communication calls a rank therefore draws from its
-own streams exactly as an MPI process does, whatever the interleaving, so
-the same seed gives MPI's numbers.
+rank thread at a time from the start, and a rank hands its turn on where it
+waits for other ranks, moves its simulated clock, or has run a window op,
+saving the three RNG states when it hands on and restoring its own when it
+gets the turn back. Between two communication calls a rank therefore draws
+from its own streams exactly as an MPI process does, whatever the
+interleaving, so the same seed gives MPI's numbers where the order of
+operations is MPI's (collectives, neighbor ops). Window ops never wait, so
+without the hand-over at each of them one rank would run a whole
+asynchronous loop (BlueFog's push-sum consensus, its win-put optimizer)
+before the next one started: a script's ranks instead take one window op
+each in turn (a zero-time ``advance``: clock order, then first come), the
+interleaving of MPI ranks that run at one speed. Where a script moves its
+clocks (``bfexp.advance``), the earliest clock goes next.
 
 Virtual ranks keep simulated time (bfexp.comm.rendezvous): ``clock_s`` is
 the rank's own clock, ``advance(s)`` moves it on instead of sleeping, and
