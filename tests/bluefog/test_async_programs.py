@@ -28,6 +28,8 @@ import torch
 
 import bfexp as bf
 from bfexp import run
+from bfexp.algorithms import AsyncPushSum
+from bfexp.topology import Ring
 from tests.bluefog.test_bluefog import digits, port
 
 ERROR = re.compile(r"^\[rank (\d+)\] rank \d+: relative error (\S+) p (\S+) mean p (\S+)$", re.M)
@@ -115,15 +117,15 @@ def test_advance_orders_a_scripts_ranks_by_simulated_clock():
 
 
 def _push_sum_loop(iterations: int) -> list[list[float]]:
-    """bfexp.DistributedOptimizer(algorithm="async_push_sum") in a plain loop on f_i(x) = ||x - c_i||^2 / 2;
+    """bfexp.DistributedOptimizer with async push-sum on a ring in a plain loop on f_i(x) = ||x - c_i||^2 / 2;
     the model as read right after each step()."""
     me = bf.rank()
     model = torch.nn.Linear(2, 1, bias=False).double()
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[float(me), -float(me)]]))
     c = torch.tensor([[2.0 * me, 1.0]], dtype=torch.float64)
-    opt = bf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, algorithm="async_push_sum",
-                                  topology="ring", broadcast_initial=False)
+    opt = bf.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, algorithm=AsyncPushSum,
+                                  topology=Ring, broadcast_initial=False)  # classes: no Hydra compose
     after = []
     for _ in range(iterations):
         opt.zero_grad()
