@@ -356,6 +356,7 @@ class ThreadsEngine(Engine):
                              "per machine)")
         self.world = world
         self._rank = rank
+        self._one_turn: int | None = None  # inside one_turn(): how many window ops have run (their turn deferred)
         self._local_size = world.local_size
         # How many collectives (per group) and exchanges this rank has issued:
         # every rank issues operations in one order, so the numbers pair calls up.
@@ -572,9 +573,25 @@ class ThreadsEngine(Engine):
         """Run a window op's work now; in a user's script, then hand the turn on (a zero-time ``advance``:
         the rank with the earliest clock goes next, at equal clocks the one that has waited longest)."""
         result = work()
-        if self.world.window_turns and self.size > 1:
+        if self._one_turn is not None:
+            self._one_turn += 1
+        elif self.world.window_turns and self.size > 1:
             self.world.advance(self._rank, 0.0)
         return (lambda: result), None
+
+    @contextlib.contextmanager
+    def one_turn(self) -> Iterator[None]:
+        """The window ops inside hand the turn on once, at the end (an optimizer's ops on each parameter)."""
+        if self._one_turn is not None:  # nested: the outer block hands on
+            yield
+            return
+        self._one_turn = 0
+        try:
+            yield
+        finally:
+            ops, self._one_turn = self._one_turn, None
+        if ops and self.world.window_turns and self.size > 1:
+            self.world.advance(self._rank, 0.0)
 
     def _win_swap(self, window: Window, peer: int, change: Callable[[torch.Tensor], None]) -> None:
         target = self.world.window(window.name, peer)
