@@ -8,7 +8,7 @@
   the ranks it waits for could never run).
 * A soak: 128 virtual ranks on dsgd, exact_diffusion, push_sum and gossip,
   a CPU-bound process beside them, the watchdog checking at every turn of
-  the driver's loop: every job completes. The larger form (256 ranks, 50
+  the driver's loop: every job completes. The larger form (256 ranks, 30
   steps) carries the ``soak`` mark: .ci/run runs it, ``make test`` does not.
 * SIGTERM at a random moment ends a 128- (soak: 256-) rank job within 10 s
   with a valid summary.json, a second SIGTERM within 2 s, no process left.
@@ -213,7 +213,7 @@ def test_soak_128_virtual_ranks_under_load(tmp_path, algorithm, loaded, frequent
 @pytest.mark.soak
 @pytest.mark.parametrize("algorithm", SOAK_ALGORITHMS)
 def test_soak_256_virtual_ranks_under_load(tmp_path, algorithm, loaded, frequent_checks):
-    _soak(tmp_path, algorithm, 256, 50)
+    _soak(tmp_path, algorithm, 256, 30)
 
 
 def _signals(tmp_path: Path, ranks: int, steps: int, trials: int, seed: int) -> None:
@@ -236,4 +236,4 @@ def test_sigterm_at_a_random_moment_ends_128_virtual_ranks_in_time(tmp_path):
 
 @pytest.mark.soak
 def test_sigterm_at_random_moments_ends_256_virtual_ranks_in_time(tmp_path):
-    _signals(tmp_path, 256, 50, trials=3, seed=1)
+    _signals(tmp_path, 256, 30, trials=3, seed=1)
