@@ -50,8 +50,8 @@ Usage: bfexp [KEY=VALUE ...]            one run
 Config groups (pick one option each, e.g. topology=ring):
 {groups}
 
-Top-level keys: ranks, seed, steps, epochs, batch_size, lr, dtype, log_every,
-  eval_every, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast,
+Top-level keys: ranks, seed, steps, epochs, budget_s, batch_size, lr, dtype, log_every,
+  eval_every, eval_every_s, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast,
   throughput_only, baseline_steps, report
 Options have their own keys, e.g. algorithm.style=awc, topology.base=3,
 optimizer.momentum=0.9; `bfexp --cfg job algorithm=dsgd` shows them all.

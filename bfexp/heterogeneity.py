@@ -129,17 +129,34 @@ class Pace:
         self.step = int(first_step)
         self.simulated = getattr(engine, "time_source", "measured") == "simulated"
         self.measured_s = 0.0  # the previous step's forward and backward
+        self._paid: float | None = None  # the cost paid for the step about to run
 
-    def before_step(self) -> float:
-        """Pay this step's cost (module doc); returns the seconds the rank's time moved on."""
+    def next_cost(self) -> float:
+        """What the next step will cost (simulated: its whole time; measured: the extra sleep)."""
         h = self.heterogeneity
         compute = h.step_time_s if (self.simulated and h.step_time_s is not None) else self.measured_s
         extra = h.extra_s(self.engine.rank, self.step, compute, self.seed)
+        return compute + extra if self.simulated else extra
+
+    def before_step(self) -> float:
+        """Pay this step's cost (module doc); returns the seconds the rank's time moved on. A step
+        paid already (a budget loop pays before deciding to run it) is not paid twice."""
+        if self._paid is not None:
+            return self._paid
+        cost = self.next_cost()
         self.step += 1
-        cost = compute + extra if self.simulated else extra
         if cost > 0 or self.simulated:
             self.engine.advance(cost)
+        self._paid = cost
         return cost
+
+    def unpay(self) -> None:
+        """The step paid for will not run (a budget or a stop ends the loop first): its draw is the
+        next step's again, as in a run that resumes here. The clock is not moved back: the caller
+        keeps the time from before the payment."""
+        if self._paid is not None:
+            self.step -= 1
+            self._paid = None
 
     def computed(self, seconds: float) -> None:
         """After backward, before ``step()``: remember the compute time; on virtual ranks also a
@@ -147,5 +164,6 @@ class Pace:
         arrived, at the step's start) before any rank's ``step()`` pushes: with equal step times an
         asynchronous rule then runs in synchronous rounds."""
         self.measured_s = float(seconds)
+        self._paid = None
         if self.simulated:
             self.engine.advance(0.0)

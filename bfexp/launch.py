@@ -43,7 +43,7 @@ from typing import Any, Callable, Protocol
 
 from omegaconf import OmegaConf
 
-from bfexp import checkpoint, config, results, summary as summaries, watchdog
+from bfexp import budget, checkpoint, config, results, summary as summaries, watchdog
 from bfexp.config import job_kind, launcher_of
 from bfexp.launchers import Launcher
 from bfexp.preflight import check_engine, resolve_engine
@@ -199,7 +199,7 @@ class Ending:
 def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[[dict], None] | None = None,
                early: EarlyRanks | None = None) -> JobResult:
     """Run one job on process ranks (``early``: already started, waiting for the word to go)."""
-    tail = results.JsonlTail(run_dir / results.METRICS)
+    tail = metrics_tail(cfg, run_dir)
     watch_ranks = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
     started = time.monotonic()
     log = early.log if early is not None else open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb")
@@ -221,6 +221,7 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
             reason = name_lost_hosts(launcher, reason, ending.stuck)
             launcher.clean_up(int(cfg.ranks))
     _follow(tail, on_record)
+    merge_records(cfg, run_dir, "measured")
     return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=ending.status,
                   stuck=ending.stuck)
 
@@ -250,7 +251,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     from bfexp.errors import RankAborted
     from bfexp.worker import run
 
-    tail = results.JsonlTail(run_dir / results.METRICS)
+    tail = metrics_tail(cfg, run_dir)
     timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
     engine = config.build({**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}, "engine")  # (world, rank)
     world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir, engine=engine)
@@ -279,6 +280,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
         if not world.alive():  # a rank thread still inside torch keeps the pool it runs on
             torch.set_num_threads(saved_threads)
     _follow(tail, on_record)
+    merge_records(cfg, run_dir, "simulated")
     stuck = world.alive()
     if stuck and reason is None and not world.errors:
         reason = f"rank threads {stuck[:8]} did not finish"
@@ -289,7 +291,22 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
                   status=ending.status, stuck=ending.stuck, fallback=fallback)
 
 
-def _follow(tail: results.JsonlTail, on_record: Callable[[dict], None] | None) -> None:
+def metrics_tail(cfg: Any, run_dir: Path) -> Any:
+    """What the driver follows for progress: rank 0's metrics.jsonl, or (an asynchronous budget run,
+    whose ranks log on their own) the ranks' records merged by time (bfexp.budget)."""
+    if config.no_lockstep(cfg):
+        return budget.MergedTail(run_dir, int(cfg.ranks))
+    return results.JsonlTail(run_dir / results.METRICS)
+
+
+def merge_records(cfg: Any, run_dir: Path, time_source: str) -> None:
+    """An asynchronous budget run: metrics.jsonl from the ranks' own records, merged by time."""
+    if config.no_lockstep(cfg):
+        with contextlib.suppress(OSError, ValueError, KeyError):  # damaged records: the job's outcome stands
+            budget.write_merged(run_dir, int(cfg.ranks), time_source)
+
+
+def _follow(tail: Any, on_record: Callable[[dict], None] | None) -> None:
     for record in tail.read_new():
         if on_record:
             on_record(record)
