@@ -502,7 +502,8 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
         from bfexp.progress import ConsoleProgress
 
         logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
-        progress = ConsoleProgress(cfg.steps, title, enabled=logger.progress, epochs=cfg.epochs)
+        progress = ConsoleProgress(cfg.steps, title, enabled=logger.progress, epochs=cfg.epochs,
+                                   budget_s=cfg.get("budget_s"))
         with progress, logger.tracker(cfg, run_dir) as tracker:
             try:
                 PHASES.mark("progress display, tracker")
