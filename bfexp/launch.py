@@ -43,7 +43,7 @@ from typing import Any, Callable, Protocol
 
 from omegaconf import OmegaConf
 
-from bfexp import budget, checkpoint, config, results, summary as summaries, watchdog
+from bfexp import budget, cgroups, checkpoint, config, results, summary as summaries, watchdog
 from bfexp.config import job_kind, launcher_of
 from bfexp.launchers import Launcher
 from bfexp.preflight import check_engine, resolve_engine
@@ -217,6 +217,10 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
             ranks.end("the job is over")
             if early is not None:
                 early.close()
+            if cpu_quota(cfg) is not None:  # a slow rank's cgroup (bfexp.cgroups): none outlives the job
+                left = cgroups.remove(run_dir)
+                if left:
+                    print(f"bfexp: could not remove cgroup(s) {', '.join(left)}", file=sys.stderr, flush=True)
         if reason is not None or proc.returncode != 0:
             reason = name_lost_hosts(launcher, reason, ending.stuck)
             launcher.clean_up(int(cfg.ranks))
@@ -289,6 +293,11 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
                      for r, e in own.items()), None)
     return finish(cfg, run_dir, 1 if world.errors or stuck else 0, reason, time.monotonic() - started,
                   status=ending.status, stuck=ending.stuck, fallback=fallback)
+
+
+def cpu_quota(cfg: Any) -> float | None:
+    node = cfg.get("heterogeneity") or {}
+    return node.get("cpu_quota")
 
 
 def metrics_tail(cfg: Any, run_dir: Path) -> Any:
@@ -389,6 +398,8 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
         results.reserve_space(run_dir)
         write_job_config(cfg, run_dir)
         if engine_class(cfg.engine.name).processes:  # mpi; nccl: one MPI rank per GPU, MPI only bootstraps
+            if cpu_quota(cfg) is not None:
+                cgroups.check_available()
             result = launch_mpi(cfg, run_dir, launcher, on_record, early)
         else:
             result = launch_threads(cfg, run_dir, on_record)

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from bfexp import budget, checkpoint, config, probes, results, scaling, watchdog
+from bfexp import budget, cgroups, checkpoint, config, probes, results, scaling, watchdog
 from bfexp.config import job_kind
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.assembly import assemble, layout_ranks_per_machine
@@ -387,6 +387,9 @@ class Training:
         times = budget.eval_times(self.budget_s, cfg.get("eval_every_s"))
         next_eval = int(self.resumed.get("next_eval", 0))
         copies: list[torch.Tensor] = list(self.resumed.get("copies", []))
+        if "held_parameters" in self.resumed:  # the model as the rank held it at the cut, before the settling
+            with torch.no_grad():
+                optimizer.evaluation_parameters().copy_(self.resumed["held_parameters"])
         if resumed and simulated:  # back to its clock at the cut, in the order the ranks stopped there
             budget.rejoin(engine, int(self.resumed.get("cut_order") or 0), float(self.resumed["time_s"]))
             self.clock = TrainClock(engine, float(self.resumed["time_s"]))
@@ -439,6 +442,7 @@ class Training:
                 self.evaluate_own(records, step, times[next_eval], end_s, copies)
                 next_eval += 1
         # Training is over: the ranks meet (every one-sided operation lands) and agree on how it ended.
+        held = optimizer.evaluation_parameters().detach().clone()  # what the rank trains from next, unsettled
         optimizer.finish()
         mark(engine, "training loop")
         ended = gather_floats(engine, *(float(self.ended == e) for e in ("stop", "diverged")))
@@ -447,7 +451,7 @@ class Training:
         elif any(ended[0]) and status != results.DIVERGED:
             status = results.INTERRUPTED
             loop = {**self.state(), "time_s": end_s, "next_eval": next_eval, "copies": copies,
-                    "cut_order": cut.order, "record": self.record}
+                    "cut_order": cut.order, "record": self.record, "held_parameters": held}
             label = self.checkpoints.write_unlocked(step, job.model, optimizer, sampler, loop)
             error = (f"stopped at step {step} of rank {engine.rank} "
                      f"({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {label}")
@@ -767,14 +771,26 @@ def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
     timeout = float(cfg.get("timeout_s", 0) or 0)  # the driver's hang watchdog reads the heartbeat
     heartbeat = watchdog.Heartbeat(engine, run_dir, period_s=min(1.0, timeout / 4) if timeout else 1.0,
                                    timeout_s=timeout)
+    group = starve(cfg, engine, run_dir)
     try:
         runner = JOBS[job_kind(cfg)]
         assert runner is not None, "modeled jobs start no rank"
         return runner(cfg, engine, run_dir)
     finally:
         heartbeat.close()
+        if group is not None:
+            cgroups.leave(group)
         if engine.timeline is not None:  # what happened, up to a failure too
             engine.timeline.save()
+
+
+def starve(cfg: Any, engine: Engine, run_dir: Path) -> Path | None:
+    """A slow process rank under heterogeneity.cpu_quota: into its own CPU-quota cgroup (bfexp.cgroups)."""
+    node = cfg.get("heterogeneity") or {}
+    quota = node.get("cpu_quota")
+    if quota is None or not engine.processes or engine.rank not in list(node.get("slow_ranks") or ()):
+        return None
+    return cgroups.starve(run_dir, engine.rank, float(quota))
 
 
 # ---------------------------------------------------------------- an MPI rank's process
