@@ -6,8 +6,9 @@ would add: its forward, backward and communication really run slower, as on a
 machine with a smaller share of the cores. Virtual ranks keep the simulated form.
 
 One folder per job under the cpu controller, named after the run folder, one
-child per slow rank: the rank makes its child and moves itself in at its start,
-and moves itself out and removes the child at its end; the driver removes
+child per slow rank: the rank makes its child and moves itself in after its first
+training step (start-up and the first step's one-time costs run at full speed), and
+moves itself out and removes the child at its end; the driver removes
 whatever is left once the ranks have ended, on failure too (a killed rank's
 child is empty then), so no cgroup outlives its job on this machine.
 """

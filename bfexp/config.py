@@ -451,7 +451,7 @@ class Config:
     # Train for a time budget: each rank trains until this many seconds of its training time have passed
     # (measured on process ranks, simulated on virtual ranks); `steps` (or `epochs`) is then an upper
     # bound. Synchronous algorithms stop where the budget ends, agreed collectively; asynchronous ones
-    # run as many steps as each rank's speed allows, with no lockstep (docs/budgets.md). null: no budget.
+    # run as many steps as each rank's speed allows, with no lockstep (docs/how-to/async-and-stragglers.md). null: no budget.
     budget_s: Optional[float] = None
     # Under budget_s, asynchronous runs evaluate each rank's model every this many seconds of its own
     # training time (and the ranks' average model at those times, where it is cheap); null: budget_s / 20.

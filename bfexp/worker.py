@@ -221,6 +221,7 @@ class Training:
         self.unlocked = config.no_lockstep(cfg)
         self.ended = "steps"  # what ended training: steps, budget, stop, diverged
         self.resumed = resumed  # an asynchronous budget run's own state: its place at the cut, its copies
+        self.cgroup: Path | None = None  # a CPU-starved rank's cgroup (heterogeneity.cpu_quota)
 
     def state(self) -> dict:
         """What a checkpoint keeps of the loop besides the model, the algorithm and the sampler."""
@@ -239,12 +240,13 @@ class Training:
     def stopped(self, at: int) -> str:
         return f"stopped at step {at} ({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {at}"
 
-    def budget_ends(self, step: int) -> bool:
-        """At a logging step of a synchronous budget run (every rank has the same record): whether the
-        budget is spent; if not, the last step is pulled in to where the pace since the last logging
-        step says it will be (or pushed out again: the next logging step looks again)."""
+    def budget_ends(self, step: int, now: float | None = None) -> bool:
+        """At a logging step of a synchronous budget run (every rank has the same record; ``now``: the
+        slowest rank's training time, the record's by default): whether the budget is spent; if not, the
+        last step is pulled in to where the pace since the last look says it will be (or pushed out
+        again: the next logging step looks again)."""
         assert self.budget_s is not None
-        now = float(self.record["time_s"])  # the slowest rank's training time
+        now = float(self.record["time_s"]) if now is None else now
         mark_step, mark_s = self.budget_mark
         self.budget_mark = (step, now)
         if now >= self.budget_s:
@@ -258,8 +260,21 @@ class Training:
         return False
 
     def run(self) -> Trained:
-        if self.unlocked:
-            return self.run_unlocked()
+        if self.budget_s is not None:  # the budget's clock starts once every rank is here (start-up skew
+            self.engine.barrier()      # under load is tens of seconds: it would land in the first step)
+        try:
+            return self.run_unlocked() if self.unlocked else self.run_locked()
+        finally:
+            if self.cgroup is not None:  # a CPU-starved rank: out of its cgroup, which goes (bfexp.cgroups)
+                cgroups.leave(self.cgroup)
+
+    def slow_down(self, step: int) -> None:
+        """After the first training step (start-up and the first step's one-time costs at full speed):
+        a slow process rank under heterogeneity.cpu_quota moves into its own CPU-quota cgroup."""
+        if step == self.first and self.cgroup is None:
+            self.cgroup = starve(self.cfg, self.engine, self.run_dir)
+
+    def run_locked(self) -> Trained:
         cfg, engine, job, optimizer, sampler, timer = self.cfg, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
         status, error, loss = results.COMPLETED, None, None
         step = self.first - 1
@@ -277,6 +292,12 @@ class Training:
             self.interval_loss += float(loss.detach())
             self.interval_n += 1
             self.single.after_step(step, timer.last_s)
+            self.slow_down(step)
+            if self.budget_s is not None and step == self.first and not self.evals.logs(step, self.last):
+                # The first step gives the pace (one collective): where the budget ends, before the first
+                # logging step, which may come long after it with slow steps.
+                if self.budget_ends(step, self.clock.latest_s()):
+                    self.last = step
             if not self.evals.logs(step, self.last):
                 if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state()):  # checkpoint_every
                     status, error = results.INTERRUPTED, self.stopped(step)
@@ -420,6 +441,7 @@ class Training:
             self.bytes_sent += engine.bytes_sent - sent_before
             self.interval_loss += float(loss.detach())
             self.interval_n += 1
+            self.slow_down(step)
             now = self.clock.now_s()
             if step % cfg.log_every == 0:
                 train_loss = self.interval_loss / self.interval_n
@@ -771,21 +793,19 @@ def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
     timeout = float(cfg.get("timeout_s", 0) or 0)  # the driver's hang watchdog reads the heartbeat
     heartbeat = watchdog.Heartbeat(engine, run_dir, period_s=min(1.0, timeout / 4) if timeout else 1.0,
                                    timeout_s=timeout)
-    group = starve(cfg, engine, run_dir)
     try:
         runner = JOBS[job_kind(cfg)]
         assert runner is not None, "modeled jobs start no rank"
         return runner(cfg, engine, run_dir)
     finally:
         heartbeat.close()
-        if group is not None:
-            cgroups.leave(group)
         if engine.timeline is not None:  # what happened, up to a failure too
             engine.timeline.save()
 
 
 def starve(cfg: Any, engine: Engine, run_dir: Path) -> Path | None:
-    """A slow process rank under heterogeneity.cpu_quota: into its own CPU-quota cgroup (bfexp.cgroups)."""
+    """A slow process rank under heterogeneity.cpu_quota: into its own CPU-quota cgroup (bfexp.cgroups);
+    None for any other rank."""
     node = cfg.get("heterogeneity") or {}
     quota = node.get("cpu_quota")
     if quota is None or not engine.processes or engine.rank not in list(node.get("slow_ranks") or ()):

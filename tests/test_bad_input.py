@@ -66,6 +66,7 @@ CASES = [
     ("heterogeneity-delay-mean", ["heterogeneity.delay=uniform"], ["heterogeneity.delay_s=0.0", "> 0"]),
     ("heterogeneity-pause", ["heterogeneity.pause_probability=2"], ["heterogeneity.pause_probability=2", "a number in [0, 1]"]),
     ("heterogeneity-rank", ["heterogeneity.slow_ranks=[-1]"], ["heterogeneity.slow_ranks=[-1]", ">= 0"]),
+    ("heterogeneity-cpu-quota", ["heterogeneity.cpu_quota=0"], ["heterogeneity.cpu_quota=0", ">= 0.01"]),
     ("heterogeneity-step-time", ["heterogeneity.step_time_s=0"], ["heterogeneity.step_time_s=0", "> 0"]),
     ("unknown-key", ["stps=3"], ["stps"]),
     ("resume-missing", ["resume=no/such/run"], ["resume=no/such/run", "not a bfexp run"]),

@@ -136,3 +136,36 @@ def test_async_push_sum_keeps_its_mass_under_a_budget(tmp_path):
     weights = [float(st["algorithm"]["buffers"]["_saved_weight"]) for st in states]
     assert abs(sum(weights) - 4.0) < 1e-12, weights
     assert len({st["step"] for st in states}) > 1  # the ranks stopped at steps of their own
+
+
+def cgroups_here() -> bool:
+    from bfexp import cgroups
+    from bfexp.errors import ConfigError
+
+    try:
+        cgroups.check_available()
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.large
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and a cgroup v1 cpu controller")
+def test_a_cpu_starved_process_rank_is_slower_and_leaves_no_cgroup(bfexp):
+    from bfexp import cgroups
+
+    base = ["engine=mpi", "ranks=2", "model=mlp", "dataset=digits", "algorithm=gossip", "heterogeneity=stragglers",
+            "heterogeneity.cpu_quota=0.05", "steps=100000", "baseline_steps=0", "scaling.reference_steps=1",
+            "logger=jsonl"]
+    proc = bfexp(*base, "budget_s=1", "hydra.run.dir=slow")
+    assert proc.returncode == 0, proc.stderr
+    s = summary(bfexp.cwd / "slow")
+    assert s["heterogeneity"]["cpu_quota"] == 0.05
+    # 5% of a CPU against at least a share of two cores: far fewer steps in the same second.
+    assert s["steps_per_rank"][0] * 2 < s["steps_per_rank"][1], s["steps_per_rank"]
+    assert not cgroups.job_group(bfexp.cwd / "slow").exists()
+    # The starved rank killed: the job fails, and its cgroup goes all the same.
+    proc = bfexp(*base, "budget_s=30", "fail_rank=0", "fail_step=3", "fail_mode=kill", "hydra.run.dir=killed")
+    assert proc.returncode != 0
+    assert summary(bfexp.cwd / "killed")["status"] == "failed"
+    assert not cgroups.job_group(bfexp.cwd / "killed").exists()
