@@ -39,7 +39,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bfexp import checkpoint, results
+from bfexp import checkpoint, config, results
 
 if TYPE_CHECKING:  # the driver imports this module too, and does without torch
     import torch
@@ -213,3 +213,20 @@ class MergedTail:
                  "time_s": min(rec["time_s"] for rec in seen) if len(seen) == len(self.latest) else 0.0,
                  "step_time_s": _mean([rec.get("step_time_s") for rec in seen]),
                  "elapsed_s": max(rec.get("elapsed_s", 0.0) for rec in seen)}]
+
+
+def metrics_tail(cfg: Any, run_dir: Path) -> Any:
+    """What the driver follows for progress: rank 0's metrics.jsonl, or (an asynchronous budget run,
+    whose ranks log on their own) the ranks' records merged by time."""
+    if config.no_lockstep(cfg):
+        return MergedTail(run_dir, int(cfg.ranks))
+    return results.JsonlTail(Path(run_dir) / results.METRICS)
+
+
+def merge_records(cfg: Any, run_dir: Path, time_source: str) -> None:
+    """The driver, once the ranks ended (an asynchronous budget run): metrics.jsonl from their records."""
+    if config.no_lockstep(cfg):
+        try:
+            write_merged(run_dir, int(cfg.ranks), time_source)
+        except (OSError, ValueError, KeyError):  # damaged records: the job's outcome stands
+            pass

@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bfexp.errors import ConfigError
 
-__all__ = ["CPU_ROOT", "check_available", "job_group", "leave", "remove", "starve"]
+__all__ = ["CPU_ROOT", "check", "check_available", "clean_up", "job_group", "leave", "remove", "starve"]
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 
@@ -83,3 +85,23 @@ def remove(run_dir: Path, wait_s: float = 5.0) -> list[str]:
         if time.monotonic() > deadline:
             return left or [str(root)]
         time.sleep(0.1)
+
+
+def quota_of(cfg: Any) -> float | None:
+    """The job's heterogeneity.cpu_quota (None: no rank is starved of CPU)."""
+    node = cfg.get("heterogeneity") or {}
+    return node.get("cpu_quota")
+
+
+def check(cfg: Any) -> None:
+    """The driver, before process ranks start: a job that starves a rank needs the cpu controller."""
+    if quota_of(cfg) is not None:
+        check_available()
+
+
+def clean_up(cfg: Any, run_dir: Path) -> None:
+    """The driver, once the job's process ranks ended (any way): its cgroups go."""
+    if quota_of(cfg) is not None:
+        left = remove(run_dir)
+        if left:
+            print(f"bfexp: could not remove cgroup(s) {', '.join(left)}", file=sys.stderr, flush=True)

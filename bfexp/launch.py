@@ -199,7 +199,7 @@ class Ending:
 def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[[dict], None] | None = None,
                early: EarlyRanks | None = None) -> JobResult:
     """Run one job on process ranks (``early``: already started, waiting for the word to go)."""
-    tail = metrics_tail(cfg, run_dir)
+    tail = budget.metrics_tail(cfg, run_dir)
     watch_ranks = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
     started = time.monotonic()
     log = early.log if early is not None else open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb")
@@ -217,15 +217,12 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
             ranks.end("the job is over")
             if early is not None:
                 early.close()
-            if cpu_quota(cfg) is not None:  # a slow rank's cgroup (bfexp.cgroups): none outlives the job
-                left = cgroups.remove(run_dir)
-                if left:
-                    print(f"bfexp: could not remove cgroup(s) {', '.join(left)}", file=sys.stderr, flush=True)
+            cgroups.clean_up(cfg, run_dir)  # a CPU-starved rank's cgroup: none outlives the job
         if reason is not None or proc.returncode != 0:
             reason = name_lost_hosts(launcher, reason, ending.stuck)
             launcher.clean_up(int(cfg.ranks))
     _follow(tail, on_record)
-    merge_records(cfg, run_dir, "measured")
+    budget.merge_records(cfg, run_dir, "measured")
     return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=ending.status,
                   stuck=ending.stuck)
 
@@ -255,7 +252,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     from bfexp.errors import RankAborted
     from bfexp.worker import run
 
-    tail = metrics_tail(cfg, run_dir)
+    tail = budget.metrics_tail(cfg, run_dir)
     timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
     engine = config.build({**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}, "engine")  # (world, rank)
     world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir, engine=engine)
@@ -284,7 +281,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
         if not world.alive():  # a rank thread still inside torch keeps the pool it runs on
             torch.set_num_threads(saved_threads)
     _follow(tail, on_record)
-    merge_records(cfg, run_dir, "simulated")
+    budget.merge_records(cfg, run_dir, "simulated")
     stuck = world.alive()
     if stuck and reason is None and not world.errors:
         reason = f"rank threads {stuck[:8]} did not finish"
@@ -293,26 +290,6 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
                      for r, e in own.items()), None)
     return finish(cfg, run_dir, 1 if world.errors or stuck else 0, reason, time.monotonic() - started,
                   status=ending.status, stuck=ending.stuck, fallback=fallback)
-
-
-def cpu_quota(cfg: Any) -> float | None:
-    node = cfg.get("heterogeneity") or {}
-    return node.get("cpu_quota")
-
-
-def metrics_tail(cfg: Any, run_dir: Path) -> Any:
-    """What the driver follows for progress: rank 0's metrics.jsonl, or (an asynchronous budget run,
-    whose ranks log on their own) the ranks' records merged by time (bfexp.budget)."""
-    if config.no_lockstep(cfg):
-        return budget.MergedTail(run_dir, int(cfg.ranks))
-    return results.JsonlTail(run_dir / results.METRICS)
-
-
-def merge_records(cfg: Any, run_dir: Path, time_source: str) -> None:
-    """An asynchronous budget run: metrics.jsonl from the ranks' own records, merged by time."""
-    if config.no_lockstep(cfg):
-        with contextlib.suppress(OSError, ValueError, KeyError):  # damaged records: the job's outcome stands
-            budget.write_merged(run_dir, int(cfg.ranks), time_source)
 
 
 def _follow(tail: Any, on_record: Callable[[dict], None] | None) -> None:
@@ -398,8 +375,7 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
         results.reserve_space(run_dir)
         write_job_config(cfg, run_dir)
         if engine_class(cfg.engine.name).processes:  # mpi; nccl: one MPI rank per GPU, MPI only bootstraps
-            if cpu_quota(cfg) is not None:
-                cgroups.check_available()
+            cgroups.check(cfg)
             result = launch_mpi(cfg, run_dir, launcher, on_record, early)
         else:
             result = launch_threads(cfg, run_dir, on_record)

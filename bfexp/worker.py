@@ -453,12 +453,20 @@ class Training:
                 if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
                     status, error = results.DIVERGED, (f"loss {train_loss:.4g} at step {step} on rank {engine.rank} "
                                                        f"(divergence_loss={cfg.divergence_loss:g})")
-                    self.ended = "diverged"
+                    self.ended = results.DIVERGED
                     break
             while next_eval < len(times) and now >= times[next_eval]:
                 self.evaluate_own(records, step, times[next_eval], now, copies)
                 next_eval += 1
         end_s = self.clock.now_s() if end_s is None else end_s
+        return self.end_unlocked(status, error, loss, step, end_s, records, cut, copies, times, next_eval)
+
+    def end_unlocked(self, status: str, error: str | None, loss: torch.Tensor | None, step: int, end_s: float,
+                     records: budget.RankRecords, cut: budget.Cut, copies: list[torch.Tensor], times: list[float],
+                     next_eval: int) -> Trained:
+        """After an asynchronous budget run's loop: the times this rank did not reach, then (collective)
+        how the ranks ended, the checkpoint of a stopped run, the summary."""
+        engine, job, optimizer, sampler = self.engine, self.job, self.job.optimizer, self.sampler
         if self.ended != "stop":  # times this rank did not reach (it stopped early): its last model stands in
             while next_eval < len(times):
                 self.evaluate_own(records, step, times[next_eval], end_s, copies)
@@ -467,7 +475,7 @@ class Training:
         held = optimizer.evaluation_parameters().detach().clone()  # what the rank trains from next, unsettled
         optimizer.finish()
         mark(engine, "training loop")
-        ended = gather_floats(engine, *(float(self.ended == e) for e in ("stop", "diverged")))
+        ended = gather_floats(engine, *(float(self.ended == e) for e in ("stop", results.DIVERGED)))
         if any(ended[1]) and status != results.DIVERGED:
             status, error = results.DIVERGED, "another rank's loss diverged"
         elif any(ended[0]) and status != results.DIVERGED:
@@ -567,7 +575,7 @@ class Training:
             "heterogeneity": self.heterogeneity.describe(),
             # A time budget: what ended training (steps, budget, stop, diverged), each rank's steps and time.
             "budget_s": self.budget_s,
-            "ended_by": self.ended if status != results.DIVERGED else "diverged",
+            "ended_by": self.ended if status != results.DIVERGED else results.DIVERGED,
             **({} if self.unlocked else self.rank_figures(step, self.clock.now_s())),
             "train_time_s": record.get("time_s"),
             "train_time_source": engine.time_source,
