@@ -137,7 +137,7 @@ class Pace:
         self.step = int(first_step)
         self.simulated = getattr(engine, "time_source", "measured") == "simulated"
         self.measured_s = 0.0  # the previous step's forward and backward
-        self._paid: float | None = None  # the cost paid for the step about to run
+        self._ahead: float | None = None  # the cost paid ahead for the step about to run
 
     def next_cost(self) -> float:
         """What the next step will cost (simulated: its whole time; measured: the extra sleep)."""
@@ -149,23 +149,30 @@ class Pace:
 
     def before_step(self) -> float:
         """Pay this step's cost (module doc); returns the seconds the rank's time moved on. A step
-        paid already (a budget loop pays before deciding to run it) is not paid twice."""
-        if self._paid is not None:
-            return self._paid
+        paid ahead (``pay_ahead``) is not paid twice."""
+        if self._ahead is not None:
+            cost, self._ahead = self._ahead, None
+            return cost
         cost = self.next_cost()
         self.step += 1
         if cost > 0 or self.simulated:
             self.engine.advance(cost)
-        self._paid = cost
         return cost
 
+    def pay_ahead(self) -> float:
+        """Pay the next step's cost now (a budget loop: the step takes effect at the time this brings
+        the clock to, and the loop decides there whether it runs); its ``before_step`` pays nothing."""
+        self._ahead = None
+        self._ahead = self.before_step()
+        return self._ahead
+
     def unpay(self) -> None:
-        """The step paid for will not run (a budget or a stop ends the loop first): its draw is the
+        """The step paid ahead will not run (a budget or a stop ends the loop first): its draw is the
         next step's again, as in a run that resumes here. The clock is not moved back: the caller
         keeps the time from before the payment."""
-        if self._paid is not None:
+        if self._ahead is not None:
             self.step -= 1
-            self._paid = None
+            self._ahead = None
 
     def computed(self, seconds: float) -> None:
         """After backward, before ``step()``: remember the compute time; on virtual ranks also a
@@ -173,6 +180,5 @@ class Pace:
         arrived, at the step's start) before any rank's ``step()`` pushes: with equal step times an
         asynchronous rule then runs in synchronous rounds."""
         self.measured_s = float(seconds)
-        self._paid = None
         if self.simulated:
             self.engine.advance(0.0)

@@ -420,7 +420,7 @@ class Training:
             watchdog.at_step(cfg, engine, step + 1)
             before = self.clock.now_s()
             if simulated:  # the step takes effect at the time its cost brings the clock to
-                self.pace.before_step()
+                self.pace.pay_ahead()
                 at = self.clock.now_s()
                 over, asked = at > limit, cut.stops(at, self.checkpoints.stop_requested() > 0)
             else:
