@@ -53,6 +53,7 @@ __all__ = ["Checkpointer", "EXPERIMENT", "job_folder", "latest", "prepare", "req
 CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest.json"
 STOP = "stop"
+STOP_AT = "stop_at"  # where virtual ranks of an asynchronous budget run cut (bfexp.budget)
 # The checkpoint's format (latest.json's "format", every rank file's): bumped when what a rank file holds changes.
 FORMAT = 1
 SKIPPED = ".skipped"  # in a sweep folder: where a finished job's scratch folder goes (the CLI removes it)
@@ -184,7 +185,7 @@ def prepare(cfg: Any, run_dir: Path, total_steps: int | None = None) -> dict | N
             results.write_text_atomic(metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
         else:
             metrics.unlink()
-    for name in (results.SUMMARY, STOP):
+    for name in (results.SUMMARY, STOP, STOP_AT):
         (run_dir / name).unlink(missing_ok=True)
     for name in (results.ERRORS_DIR, "heartbeat"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -309,13 +310,34 @@ class Checkpointer:
         ``stop`` is the ranks' agreed answer at a logging step; None between
         logging steps, where this rank's own request is agreed on here.
         """
-        from bfexp.metrics import gather_floats
-
         wanted = self.stop_requested() if stop is None else float(stop)
         if not (self.due(step) or (stop is not None and stop)):
             return False
         optimizer.finish()  # nothing in flight: the state is the step's end
         problem = self._write(step, model, optimizer, sampler, loop)
+        stops = self._agree(step, problem, wanted)
+        return any(s > 0 for s in stops)
+
+    def write_unlocked(self, step: int, model: Any, optimizer: Any, sampler: Any, loop: dict) -> int:
+        """Collective, after an asynchronous budget run stopped: every rank writes ITS step's state
+        (the ranks stopped at different steps) into one checkpoint, named after the largest step;
+        returns that step (0: no rank had trained a step, so no checkpoint is written)."""
+        from bfexp.metrics import gather_floats
+
+        [steps] = gather_floats(self.engine, float(step))
+        label = int(max(steps))
+        if label < 1:
+            return 0
+        optimizer.finish()
+        problem = self._write(label, model, optimizer, sampler, loop, own_step=step)
+        self._agree(label, problem, 1.0)
+        return label
+
+    def _agree(self, step: int, problem: str | None, wanted: float) -> list[float]:
+        """Every rank's file written (else OSError, and the step's files go): rank 0 commits; returns the
+        ranks' stop flags."""
+        from bfexp.metrics import gather_floats
+
         written, stops = gather_floats(self.engine, 0.0 if problem else 1.0, wanted)
         missing = [r for r, ok in enumerate(written) if ok != 1.0]
         if missing:
@@ -327,18 +349,20 @@ class Checkpointer:
             self._commit(step)
         # No rank goes on (and can fail, ending the job) before the checkpoint is committed.
         self.engine.barrier()
-        return any(s > 0 for s in stops)
+        return stops
 
     def _folder(self, step: int) -> Path:
         return self.run_dir / CHECKPOINT_DIR / f"step{step}"
 
-    def _write(self, step: int, model: Any, optimizer: Any, sampler: Any, loop: dict) -> str | None:
-        """This rank's file, atomically; returns the problem (e.g. a full disk) or None."""
+    def _write(self, step: int, model: Any, optimizer: Any, sampler: Any, loop: dict,
+               own_step: int | None = None) -> str | None:
+        """This rank's file in the folder of ``step``, atomically (``own_step``: the step this rank is at,
+        where ranks stopped at different ones); returns the problem (e.g. a full disk) or None."""
         import torch
 
         state = {
             "format": FORMAT,
-            "step": step,
+            "step": step if own_step is None else own_step,
             "rank": self.engine.rank,
             "model": model.state_dict(),
             "algorithm": optimizer.state_dict(),

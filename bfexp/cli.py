@@ -50,8 +50,8 @@ Usage: bfexp [KEY=VALUE ...]            one run
 Config groups (pick one option each, e.g. topology=ring):
 {groups}
 
-Top-level keys: ranks, seed, steps, epochs, batch_size, lr, dtype, log_every,
-  eval_every, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast,
+Top-level keys: ranks, seed, steps, epochs, budget_s, batch_size, lr, dtype, log_every,
+  eval_every, eval_every_s, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast,
   throughput_only, baseline_steps, report
 Options have their own keys, e.g. algorithm.style=awc, topology.base=3,
 optimizer.momentum=0.9; `bfexp --cfg job algorithm=dsgd` shows them all.
@@ -506,7 +506,8 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
         from bfexp.progress import ConsoleProgress
 
         logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
-        progress = ConsoleProgress(cfg.steps, title, enabled=logger.progress, epochs=cfg.epochs)
+        progress = ConsoleProgress(cfg.steps, title, enabled=logger.progress, epochs=cfg.epochs,
+                                   budget_s=cfg.get("budget_s"))
         with progress, logger.tracker(cfg, run_dir) as tracker:
             try:
                 PHASES.mark("progress display, tracker")

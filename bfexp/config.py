@@ -464,6 +464,14 @@ class Config:
     # Training length: `epochs` (over each rank's shard) wins over `steps` when set.
     steps: int = 200
     epochs: Optional[int] = None
+    # Train for a time budget: each rank trains until this many seconds of its training time have passed
+    # (measured on process ranks, simulated on virtual ranks); `steps` (or `epochs`) is then an upper
+    # bound. Synchronous algorithms stop where the budget ends, agreed collectively; asynchronous ones
+    # run as many steps as each rank's speed allows, with no lockstep (docs/how-to/async-and-stragglers.md). null: no budget.
+    budget_s: Optional[float] = None
+    # Under budget_s, asynchronous runs evaluate each rank's model every this many seconds of its own
+    # training time (and the ranks' average model at those times, where it is cheap); null: budget_s / 20.
+    eval_every_s: Optional[float] = None
     batch_size: int = 32
     # The local optimizer's learning rate (conf/optimizer/*.yaml read it as ${lr}).
     lr: float = 0.1
@@ -762,6 +770,10 @@ def validate(cfg: Any, reach: bool = False) -> None:
     number_in("batch_size", cfg.batch_size, low=1, integer=True)
     number_in("lr", cfg.lr, low=0, low_open=True)
     number_in("log_every", cfg.log_every, low=1, integer=True)
+    if cfg.get("budget_s") is not None:
+        number_in("budget_s", cfg.budget_s, low=0, low_open=True, note="(seconds of training time), or null")
+    if cfg.get("eval_every_s") is not None:
+        number_in("eval_every_s", cfg.eval_every_s, low=0, low_open=True, note="(seconds), or null")
     if cfg.get("eval_every") is not None:
         number_in("eval_every", cfg.eval_every, low=1, integer=True)
     number_in("eval_budget", cfg.get("eval_budget", 0.1), low=0, low_open=True)
@@ -770,6 +782,10 @@ def validate(cfg: Any, reach: bool = False) -> None:
     number_in("divergence_loss", cfg.divergence_loss, low=0, low_open=True)
     number_in("timeout_s", cfg.timeout_s, low=0)
     number_in("checkpoint_every", cfg.checkpoint_every, low=0, integer=True)
+    if cfg.get("budget_s") is not None and cfg.checkpoint_every and asynchronous(cfg):
+        raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} with budget_s and algorithm="
+                          f"{label(cfg.algorithm)}, whose ranks never meet during training; allowed: 0 "
+                          "(a stop signal still writes a checkpoint)")
     number_in("baseline_steps", cfg.baseline_steps, low=0, integer=True)
     number_in("fail_step", cfg.fail_step, low=1, integer=True)
     if cfg.get("target_accuracy") is not None:
@@ -793,6 +809,19 @@ def launcher_of(cfg: Any) -> Any:
 
     node = cfg.get("launcher")
     return build(node, "launcher") if node is not None and node.get("_target_") else Local()
+
+
+def asynchronous(cfg: Any) -> bool:
+    """Whether the job's algorithm never makes ranks wait for one another in a step (its class says so)."""
+    try:
+        return bool(getattr(target_of(cfg.algorithm, "algorithm"), "asynchronous", False))
+    except ConfigError:
+        return False  # a bad _target_ is reported where the algorithm is built
+
+
+def no_lockstep(cfg: Any) -> bool:
+    """A time budget with an asynchronous algorithm: each rank trains and logs on its own (bfexp.worker)."""
+    return cfg.get("budget_s") is not None and asynchronous(cfg) and job_kind(cfg) == "train"
 
 
 def job_kind(cfg: Any) -> str:

@@ -19,7 +19,10 @@ rank sends during its step leaves late:
 
 * real ranks (mpi, nccl): the rank sleeps ``compute * (factor - 1) + delay +
   pause``, with ``compute`` the forward and backward its previous step
-  measured (the real compute is paid by computing);
+  measured (the real compute is paid by computing); or, with ``cpu_quota``,
+  the rank gets that many CPUs (a cgroup of its own, bfexp.cgroups) instead
+  of the factor's sleep, so its compute and communication really are slower
+  (delay and pause still sleep);
 * virtual ranks (threads): nothing sleeps; the rank's simulated clock moves
   on by the whole cost, with ``compute`` = ``step_time_s`` (default 10 ms:
   the same on any host, so asynchronous runs are reproducible), or with
@@ -60,6 +63,7 @@ class Heterogeneity:
         pause_s: float = 0.0,
         step_time_s: float | None = 0.01,
         seed: int | None = None,
+        cpu_quota: float | None = None,
     ) -> None:
         ranks = list(slow_ranks)
         for r in ranks:
@@ -83,26 +87,30 @@ class Heterogeneity:
         if seed is not None:
             number_in("heterogeneity.seed", seed, low=0, integer=True, note="or null (the run's seed)")
         self.seed = seed
+        self.cpu_quota = None if cpu_quota is None else float(
+            number_in("heterogeneity.cpu_quota", cpu_quota, low=0.01, note="(CPUs of a slow process rank), or null"))
 
     @property
     def active(self) -> bool:
         """Whether any rank is slowed at all."""
         return bool(self.slow_ranks) and (
-            self.factor > 1 or self.delay != "none" or (self.pause_probability > 0 and self.pause_s > 0))
+            self.factor > 1 or self.delay != "none" or (self.pause_probability > 0 and self.pause_s > 0)
+            or self.cpu_quota is not None)
 
     def describe(self) -> dict:
         """What the summary records: every setting, and whether any rank is slowed."""
         return {"slow_ranks": list(self.slow_ranks), "factor": self.factor, "delay": self.delay,
                 "delay_s": self.delay_s, "pause_probability": self.pause_probability, "pause_s": self.pause_s,
-                "step_time_s": self.step_time_s, "active": self.active}
+                "step_time_s": self.step_time_s, "cpu_quota": self.cpu_quota, "active": self.active}
 
-    def extra_s(self, rank: int, step: int, compute_s: float, seed: int) -> float:
-        """What a step of ``rank`` costs beyond ``compute_s``: 0 for a rank that is not slow."""
+    def extra_s(self, rank: int, step: int, compute_s: float, seed: int, factor: bool = True) -> float:
+        """What a step of ``rank`` costs beyond ``compute_s``: 0 for a rank that is not slow.
+        ``factor=False``: without the factor's share (a rank whose CPU quota slows it instead)."""
         if rank not in self.slow_ranks:
             return 0.0
         rng = np.random.default_rng([self.seed if self.seed is not None else seed, rank, step])
         draw, pause_draw = rng.random(2)  # always two draws: one setting does not shift the other's stream
-        extra = compute_s * (self.factor - 1.0)
+        extra = compute_s * (self.factor - 1.0) if factor else 0.0
         if self.delay == "constant":
             extra += self.delay_s
         elif self.delay == "uniform":
@@ -129,17 +137,42 @@ class Pace:
         self.step = int(first_step)
         self.simulated = getattr(engine, "time_source", "measured") == "simulated"
         self.measured_s = 0.0  # the previous step's forward and backward
+        self._ahead: float | None = None  # the cost paid ahead for the step about to run
 
-    def before_step(self) -> float:
-        """Pay this step's cost (module doc); returns the seconds the rank's time moved on."""
+    def next_cost(self) -> float:
+        """What the next step will cost (simulated: its whole time; measured: the extra sleep)."""
         h = self.heterogeneity
         compute = h.step_time_s if (self.simulated and h.step_time_s is not None) else self.measured_s
-        extra = h.extra_s(self.engine.rank, self.step, compute, self.seed)
+        starved = h.cpu_quota is not None and not self.simulated  # the quota slows it, not a sleep
+        extra = h.extra_s(self.engine.rank, self.step, compute, self.seed, factor=not starved)
+        return compute + extra if self.simulated else extra
+
+    def before_step(self) -> float:
+        """Pay this step's cost (module doc); returns the seconds the rank's time moved on. A step
+        paid ahead (``pay_ahead``) is not paid twice."""
+        if self._ahead is not None:
+            cost, self._ahead = self._ahead, None
+            return cost
+        cost = self.next_cost()
         self.step += 1
-        cost = compute + extra if self.simulated else extra
         if cost > 0 or self.simulated:
             self.engine.advance(cost)
         return cost
+
+    def pay_ahead(self) -> float:
+        """Pay the next step's cost now (a budget loop: the step takes effect at the time this brings
+        the clock to, and the loop decides there whether it runs); its ``before_step`` pays nothing."""
+        self._ahead = None
+        self._ahead = self.before_step()
+        return self._ahead
+
+    def unpay(self) -> None:
+        """The step paid ahead will not run (a budget or a stop ends the loop first): its draw is the
+        next step's again, as in a run that resumes here. The clock is not moved back: the caller
+        keeps the time from before the payment."""
+        if self._ahead is not None:
+            self.step -= 1
+            self._ahead = None
 
     def computed(self, seconds: float) -> None:
         """After backward, before ``step()``: remember the compute time; on virtual ranks also a

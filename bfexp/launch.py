@@ -43,7 +43,7 @@ from typing import Any, Callable, Protocol
 
 from omegaconf import OmegaConf
 
-from bfexp import checkpoint, config, results, summary as summaries, watchdog
+from bfexp import budget, cgroups, checkpoint, config, results, summary as summaries, watchdog
 from bfexp.config import job_kind, launcher_of
 from bfexp.launchers import Launcher
 from bfexp.preflight import check_engine, resolve_engine
@@ -199,7 +199,7 @@ class Ending:
 def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[[dict], None] | None = None,
                early: EarlyRanks | None = None) -> JobResult:
     """Run one job on process ranks (``early``: already started, waiting for the word to go)."""
-    tail = results.JsonlTail(run_dir / results.METRICS)
+    tail = budget.metrics_tail(cfg, run_dir)
     watch_ranks = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
     started = time.monotonic()
     log = early.log if early is not None else open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb")
@@ -217,10 +217,12 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
             ranks.end("the job is over")
             if early is not None:
                 early.close()
+            cgroups.clean_up(cfg, run_dir)  # a CPU-starved rank's cgroup: none outlives the job
         if reason is not None or proc.returncode != 0:
             reason = name_lost_hosts(launcher, reason, ending.stuck)
             launcher.clean_up(int(cfg.ranks))
     _follow(tail, on_record)
+    budget.merge_records(cfg, run_dir, "measured")
     return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=ending.status,
                   stuck=ending.stuck)
 
@@ -250,7 +252,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     from bfexp.errors import RankAborted
     from bfexp.worker import run
 
-    tail = results.JsonlTail(run_dir / results.METRICS)
+    tail = budget.metrics_tail(cfg, run_dir)
     timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
     engine = config.build({**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}, "engine")  # (world, rank)
     world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir, engine=engine)
@@ -279,6 +281,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
         if not world.alive():  # a rank thread still inside torch keeps the pool it runs on
             torch.set_num_threads(saved_threads)
     _follow(tail, on_record)
+    budget.merge_records(cfg, run_dir, "simulated")
     stuck = world.alive()
     if stuck and reason is None and not world.errors:
         reason = f"rank threads {stuck[:8]} did not finish"
@@ -289,7 +292,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
                   status=ending.status, stuck=ending.stuck, fallback=fallback)
 
 
-def _follow(tail: results.JsonlTail, on_record: Callable[[dict], None] | None) -> None:
+def _follow(tail: Any, on_record: Callable[[dict], None] | None) -> None:
     for record in tail.read_new():
         if on_record:
             on_record(record)
@@ -372,6 +375,7 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
         results.reserve_space(run_dir)
         write_job_config(cfg, run_dir)
         if engine_class(cfg.engine.name).processes:  # mpi; nccl: one MPI rank per GPU, MPI only bootstraps
+            cgroups.check(cfg)
             result = launch_mpi(cfg, run_dir, launcher, on_record, early)
         else:
             result = launch_threads(cfg, run_dir, on_record)

@@ -38,12 +38,15 @@ class ConsoleProgress:
     """A rich progress bar on a terminal; one plain line per record elsewhere (CI, pipes).
 
     Progress is counted in steps, or in epochs when the job is given `epochs`
-    (the driver does not know the shard sizes, so it cannot count steps then).
+    (the driver does not know the shard sizes, so it cannot count steps then), or
+    in seconds of training time under a time budget (`budget_s`: the slowest rank's).
     """
 
-    def __init__(self, total_steps: int, title: str, enabled: bool = True, epochs: int | None = None) -> None:
+    def __init__(self, total_steps: int, title: str, enabled: bool = True, epochs: int | None = None,
+                 budget_s: float | None = None) -> None:
         self.epochs = epochs
-        self.total = float(epochs) if epochs else float(total_steps)
+        self.budget_s = budget_s
+        self.total = float(budget_s) if budget_s else float(epochs) if epochs else float(total_steps)
         self.total_steps = total_steps
         self.title = title
         self.enabled = enabled
@@ -72,7 +75,9 @@ class ConsoleProgress:
         return self
 
     def done(self, record: dict) -> float:
-        """How far the job is, in the unit of `total` (steps or epochs)."""
+        """How far the job is, in the unit of `total` (steps, epochs or seconds)."""
+        if self.budget_s:
+            return float(record.get("time_s") or 0.0)
         if self.epochs:
             return float(record.get("epoch") or 0.0)
         return float(record.get("step") or 0)
@@ -90,7 +95,9 @@ class ConsoleProgress:
         return max(0.0, pace * (self.total - done))
 
     def stats(self, record: dict) -> str:
-        where = f"step {record.get('step')}" + ("" if self.epochs else f"/{self.total_steps}")
+        where = f"step {record.get('step')}" + ("" if self.epochs or self.budget_s else f"/{self.total_steps}")
+        if self.budget_s:
+            where += f" (time {_fmt(record.get('time_s'), 3)}/{_fmt(float(self.budget_s), 3)} s)"
         if self.epochs:
             where += f" (epoch {_fmt(record.get('epoch'), 3)}/{self.epochs})"
         return (

@@ -463,6 +463,10 @@ def time_to_targets(job: Job, jobs: list[Job], swept: list[str]) -> dict[str, An
             continue
         out[key] = target
         out[f"time_to_{key}_s"] = time_to_target(job.records, metric, target, higher)
+        if metric == "accuracy":  # budget runs also record the average model's and the worst rank's
+            for column, suffix in (("average_model_accuracy", "average_model"), ("worst_accuracy", "worst_rank")):
+                if any(_finite(rec.get(column)) for rec in job.records):
+                    out[f"time_to_{key}_{suffix}_s"] = time_to_target(job.records, column, target, higher)
     return out
 
 

@@ -114,6 +114,12 @@ FIELDS = (
     Field("eval_time_s", "eval s", "evaluation time (s)", console=False),
     Field("target_accuracy", "target acc", "target accuracy", console=False, job_table=False),
     Field("time_to_target_accuracy_s", "t->acc s", "time to target accuracy (s)", job_table=False),
+    # Under budget_s: the same for the ranks' average model and for the worst rank (metrics.jsonl's
+    # average_model_accuracy and worst_accuracy).
+    Field("time_to_target_accuracy_average_model_s", "t->acc avg s", "time to target accuracy, average model (s)",
+          job_table=False),
+    Field("time_to_target_accuracy_worst_rank_s", "t->acc worst s", "time to target accuracy, worst rank (s)",
+          job_table=False),
     Field("target_eval_loss", "target loss", "target held-out loss", console=False, job_table=False),
     Field("time_to_target_eval_loss_s", "t->loss s", "time to target held-out loss (s)", console=False,
           job_table=False),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import os
 import sys
@@ -29,7 +30,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from bfexp import checkpoint, config, probes, results, scaling, watchdog
+from bfexp import budget, cgroups, checkpoint, config, probes, results, scaling, watchdog
 from bfexp.config import job_kind
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.assembly import assemble, layout_ranks_per_machine
@@ -212,6 +213,15 @@ class Training:
         # (wall seconds inside its training steps, straggler sleeps included).
         self.pace = self.heterogeneity.pace(engine, int(cfg.seed), first_step=self.first)
         self.clock = TrainClock(engine, resumed.get("time_s", 0.0))
+        # A time budget (bfexp.budget): `steps` is then the most a rank runs. Synchronous ranks pull the
+        # last step in where they agree the budget ends; asynchronous ones train without lockstep.
+        self.budget_s = None if cfg.get("budget_s") is None else float(cfg.budget_s)
+        self.last = steps
+        self.budget_mark = (self.first - 1, self.clock.now_s())  # (step, time) the pace is measured from
+        self.unlocked = config.no_lockstep(cfg)
+        self.ended = "steps"  # what ended training: steps, budget, stop, diverged
+        self.resumed = resumed  # an asynchronous budget run's own state: its place at the cut, its copies
+        self.cgroup: Path | None = None  # a CPU-starved rank's cgroup (heterogeneity.cpu_quota)
 
     def state(self) -> dict:
         """What a checkpoint keeps of the loop besides the model, the algorithm and the sampler."""
@@ -230,7 +240,41 @@ class Training:
     def stopped(self, at: int) -> str:
         return f"stopped at step {at} ({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {at}"
 
+    def budget_ends(self, step: int, now: float | None = None) -> bool:
+        """At a logging step of a synchronous budget run (every rank has the same record; ``now``: the
+        slowest rank's training time, the record's by default): whether the budget is spent; if not, the
+        last step is pulled in to where the pace since the last look says it will be (or pushed out
+        again: the next logging step looks again)."""
+        assert self.budget_s is not None
+        now = float(self.record["time_s"]) if now is None else now
+        mark_step, mark_s = self.budget_mark
+        self.budget_mark = (step, now)
+        if now >= self.budget_s:
+            return True
+        pace = (now - mark_s) / (step - mark_step) if step > mark_step else 0.0
+        if pace > 0:
+            fits = math.floor((self.budget_s - now) / pace + 1e-9)
+            if fits == 0:
+                return True
+            self.last = min(self.steps, step + fits)
+        return False
+
     def run(self) -> Trained:
+        if self.budget_s is not None:  # the budget's clock starts once every rank is here (start-up skew
+            self.engine.barrier()      # under load is tens of seconds: it would land in the first step)
+        try:
+            return self.run_unlocked() if self.unlocked else self.run_locked()
+        finally:
+            if self.cgroup is not None:  # a CPU-starved rank: out of its cgroup, which goes (bfexp.cgroups)
+                cgroups.leave(self.cgroup)
+
+    def slow_down(self, step: int) -> None:
+        """After the first training step (start-up and the first step's one-time costs at full speed):
+        a slow process rank under heterogeneity.cpu_quota moves into its own CPU-quota cgroup."""
+        if step == self.first and self.cgroup is None:
+            self.cgroup = starve(self.cfg, self.engine, self.run_dir)
+
+    def run_locked(self) -> Trained:
         cfg, engine, job, optimizer, sampler, timer = self.cfg, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
         status, error, loss = results.COMPLETED, None, None
         step = self.first - 1
@@ -248,7 +292,13 @@ class Training:
             self.interval_loss += float(loss.detach())
             self.interval_n += 1
             self.single.after_step(step, timer.last_s)
-            if not self.evals.logs(step, self.steps):
+            self.slow_down(step)
+            if self.budget_s is not None and step == self.first and not self.evals.logs(step, self.last):
+                # The first step gives the pace (one collective): where the budget ends, before the first
+                # logging step, which may come long after it with slow steps.
+                if self.budget_ends(step, self.clock.latest_s()):
+                    self.last = step
+            if not self.evals.logs(step, self.last):
                 if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state()):  # checkpoint_every
                     status, error = results.INTERRUPTED, self.stopped(step)
                     break
@@ -260,6 +310,9 @@ class Training:
                 break
             if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state(), stop=stop > 0):
                 status, error = results.INTERRUPTED, self.stopped(step)
+                break
+            if self.budget_s is not None and self.budget_ends(step):
+                self.ended = "budget"
                 break
         optimizer.finish()
         mark(engine, "training loop")
@@ -277,10 +330,12 @@ class Training:
         rank learns of it at the same step."""
         engine, optimizer, evals = self.engine, self.job.optimizer, self.evals
         optimizer.finish()
-        evaluating = evals.due(step, self.steps)
+        evaluating = evals.due(step, self.last)
         eval_started = time.perf_counter()
         eval_loss, accuracy = evaluate(self.job.model, *self.test) if evaluating else (math.nan, math.nan)
         eval_s = time.perf_counter() - eval_started
+        # Under a budget, also the worst rank's accuracy and the ranks' average model's (time to a target).
+        models = self.models(accuracy) if evaluating and self.budget_s is not None else {}
         train_loss, eval_loss, accuracy, step_time, mean_sent, stop = global_mean(
             engine, self.interval_loss / self.interval_n, eval_loss, accuracy, self.timer.take_window(),
             float(self.bytes_sent), self.checkpoints.stop_requested(),
@@ -302,6 +357,7 @@ class Training:
             **(self.last_eval if evaluating else
                dict.fromkeys(("eval_loss", "accuracy", "perplexity") if self.job.tokens else ("eval_loss", "accuracy"))),
             "consensus_distance": consensus,
+            **models,
             "step_time_s": step_time,
             "throughput_samples_per_s": scaling.throughput(engine.size, self.sampler.batch_size, step_time),
             "bytes_sent": mean_sent,
@@ -312,6 +368,184 @@ class Training:
         if engine.rank == 0:
             results.append_jsonl(self.run_dir / results.METRICS, self.record)
         return stop
+
+    def models(self, accuracy: float) -> dict:
+        """Collective: the worst rank's held-out accuracy and the average model's (loss and accuracy)."""
+        worst = min(gather_floats(self.engine, accuracy)[0])
+        optimizer = self.job.optimizer
+        if getattr(optimizer, "models_agree", False):
+            average = (math.nan, accuracy)
+        else:
+            flat = optimizer.evaluation_parameters().detach().to(torch.float64)
+            average = self.evaluate_flat(self.engine.allreduce(flat, op="avg"))
+        return {"worst_accuracy": worst, "average_model_eval_loss": average[0], "average_model_accuracy": average[1]}
+
+    def evaluate_flat(self, flat: torch.Tensor) -> tuple[float, float]:
+        """(loss, accuracy) on the held-out set of the model whose flat parameters are ``flat``."""
+        model = self.job.make_model()
+        torch.nn.utils.vector_to_parameters(flat.to(self.job.dtype).to(self.job.device), model.parameters())
+        return evaluate(model, *self.test)
+
+    def rank_figures(self, step: int, time_s: float) -> dict:
+        """Collective: each rank's steps and training time (the summary's lists)."""
+        steps, times = gather_floats(self.engine, float(step), float(time_s))
+        return {"steps_per_rank": [int(v) for v in steps], "time_per_rank_s": times}
+
+    # ------------------------------------------------------------ asynchronous ranks under a budget
+
+    def run_unlocked(self) -> Trained:
+        """An asynchronous run under budget_s (bfexp.budget): each rank trains until its own clock
+        reaches the budget, writes its own records and evaluates its model by its clock, with no
+        collective; the ranks meet only once training is over (and a stop request reaches each rank
+        through the run folder)."""
+        cfg, engine, job, optimizer, sampler, timer = self.cfg, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
+        assert self.budget_s is not None
+        limit = self.budget_s * (1 + 1e-12)  # a clock summed from step times may land a rounding past it
+        simulated = self.clock.simulated
+        resumed = self.checkpoints.step > 0
+        records = budget.RankRecords(self.run_dir, engine.rank, kept_step=self.first - 1 if resumed else None)
+        cut = budget.Cut(self.run_dir, engine.rank, simulated)
+        times = budget.eval_times(self.budget_s, cfg.get("eval_every_s"))
+        next_eval = int(self.resumed.get("next_eval", 0))
+        copies: list[torch.Tensor] = list(self.resumed.get("copies", []))
+        if "held_parameters" in self.resumed:  # the model as the rank held it at the cut, before the settling
+            with torch.no_grad():
+                optimizer.evaluation_parameters().copy_(self.resumed["held_parameters"])
+        if resumed and simulated:  # back to its clock at the cut, in the order the ranks stopped there
+            budget.rejoin(engine, int(self.resumed.get("cut_order") or 0), float(self.resumed["time_s"]))
+            self.clock = TrainClock(engine, float(self.resumed["time_s"]))
+        status, error, loss = results.COMPLETED, None, None
+        step, end_s = self.first - 1, None
+        while step < self.steps:
+            watchdog.at_step(cfg, engine, step + 1)
+            before = self.clock.now_s()
+            if simulated:  # the step takes effect at the time its cost brings the clock to
+                self.pace.pay_ahead()
+                at = self.clock.now_s()
+                over, asked = at > limit, cut.stops(at, self.checkpoints.stop_requested() > 0)
+            else:
+                over, asked = before >= self.budget_s, self.checkpoints.stop_requested() > 0
+            if over or asked:
+                self.pace.unpay()
+                self.ended, end_s = ("budget" if over else "stop"), before
+                break
+            step += 1
+            x, y = sampler.next()
+            x, y = x.to(job.device), y.to(job.device)
+            sent_before = engine.bytes_sent
+            timer.start(engine)
+            self.clock.start()
+            loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline, self.pace)
+            self.clock.stop()
+            timer.stop(engine)
+            self.bytes_sent += engine.bytes_sent - sent_before
+            self.interval_loss += float(loss.detach())
+            self.interval_n += 1
+            self.slow_down(step)
+            now = self.clock.now_s()
+            if step % cfg.log_every == 0:
+                train_loss = self.interval_loss / self.interval_n
+                self.interval_loss, self.interval_n = 0.0, 0
+                self.record = {"step": step, "epoch": round(sampler.epoch_progress(), 4), "loss": train_loss,
+                               "time_s": now, "step_time_s": timer.take_window(), "bytes_sent": self.bytes_sent,
+                               "elapsed_s": self.elapsed(), "time_source": engine.time_source}
+                records.write("train", **self.record)
+                if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
+                    status, error = results.DIVERGED, (f"loss {train_loss:.4g} at step {step} on rank {engine.rank} "
+                                                       f"(divergence_loss={cfg.divergence_loss:g})")
+                    self.ended = results.DIVERGED
+                    break
+            while next_eval < len(times) and now >= times[next_eval]:
+                self.evaluate_own(records, step, times[next_eval], now, copies)
+                next_eval += 1
+        end_s = self.clock.now_s() if end_s is None else end_s
+        return self.end_unlocked(status, error, loss, step, end_s, records, cut, copies, times, next_eval)
+
+    def end_unlocked(self, status: str, error: str | None, loss: torch.Tensor | None, step: int, end_s: float,
+                     records: budget.RankRecords, cut: budget.Cut, copies: list[torch.Tensor], times: list[float],
+                     next_eval: int) -> Trained:
+        """After an asynchronous budget run's loop: the times this rank did not reach, then (collective)
+        how the ranks ended, the checkpoint of a stopped run, the summary."""
+        engine, job, optimizer, sampler = self.engine, self.job, self.job.optimizer, self.sampler
+        if self.ended != "stop":  # times this rank did not reach (it stopped early): its last model stands in
+            while next_eval < len(times):
+                self.evaluate_own(records, step, times[next_eval], end_s, copies)
+                next_eval += 1
+        # Training is over: the ranks meet (every one-sided operation lands) and agree on how it ended.
+        held = optimizer.evaluation_parameters().detach().clone()  # what the rank trains from next, unsettled
+        optimizer.finish()
+        mark(engine, "training loop")
+        ended = gather_floats(engine, *(float(self.ended == e) for e in ("stop", results.DIVERGED)))
+        if any(ended[1]) and status != results.DIVERGED:
+            status, error = results.DIVERGED, "another rank's loss diverged"
+        elif any(ended[0]) and status != results.DIVERGED:
+            status = results.INTERRUPTED
+            loop = {**self.state(), "time_s": end_s, "next_eval": next_eval, "copies": copies,
+                    "cut_order": cut.order, "record": self.record, "held_parameters": held}
+            label = self.checkpoints.write_unlocked(step, job.model, optimizer, sampler, loop)
+            error = (f"stopped at step {step} of rank {engine.rank} "
+                     f"({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {label}")
+        parameters = optimizer.evaluation_parameters().detach().cpu().clone()
+        summary = self.summary_unlocked(status, error, step, end_s, records, copies, times)
+        optimizer.close()
+        summary["wall_time_s"] = time.perf_counter() - self.started
+        if engine.rank == 0:
+            results.write_json_atomic(self.run_dir / results.SUMMARY, summary)
+        return Trained(summary, float(loss.detach()) if loss is not None else None, parameters)
+
+    def evaluate_own(self, records: budget.RankRecords, step: int, scheduled_s: float, at_s: float,
+                     copies: list[torch.Tensor]) -> None:
+        """This rank's model on the held-out set at a scheduled time (no collective); a copy of its
+        parameters is kept for the average model."""
+        started = time.perf_counter()
+        eval_loss, accuracy = evaluate(self.job.model, *self.test)
+        self.evals.spent(time.perf_counter() - started)
+        copies.append(self.job.optimizer.evaluation_parameters().detach().cpu().clone())
+        records.write("eval", step=step, scheduled_s=scheduled_s, time_s=at_s, eval_loss=eval_loss, accuracy=accuracy)
+
+    def summary_unlocked(self, status: str, error: str | None, step: int, end_s: float,
+                         records: budget.RankRecords, copies: list[torch.Tensor], times: list[float]) -> dict:
+        """Collective, after training: the final figures over ranks (each rank's settled model, the
+        worst, the average model at every scheduled time), then the summary as a synchronous run's."""
+        engine, job = self.engine, self.job
+        eval_loss, accuracy = evaluate(job.model, *self.test)
+        records.write("eval", step=step, scheduled_s=budget.END, time_s=end_s, eval_loss=eval_loss, accuracy=accuracy)
+        tail = self.interval_loss / self.interval_n if self.interval_n else self.record.get("loss", math.nan)
+        steps, ends, losses, epochs, accs, eval_losses = gather_floats(
+            engine, float(step), end_s, tail, self.sampler.epoch_progress(), accuracy, eval_loss)
+        flat = job.optimizer.evaluation_parameters().detach().cpu().clone()
+        averages = budget.average_models(engine, copies + [flat]) if status != results.INTERRUPTED else None
+        average_figures = {}
+        if averages is not None:
+            # Each rank evaluates its share of the average models; one allreduce hands every rank all of them.
+            table = torch.zeros(len(averages), 2, dtype=torch.float64)
+            for k in range(engine.rank, len(averages), engine.size):
+                table[k] = torch.tensor(self.evaluate_flat(averages[k]), dtype=torch.float64)
+            table = engine.allreduce(table, op="sum")
+            if engine.rank == 0:
+                scheduled = [*times[:len(averages) - 1], budget.END]
+                lines = [{"scheduled_s": t, "eval_loss": float(row[0]), "accuracy": float(row[1])}
+                         for t, row in zip(scheduled, table)]
+                results.write_text_atomic(self.run_dir / budget.RECORDS_DIR / budget.AVERAGE,
+                                          "".join(json.dumps(r) + "\n" for r in lines))
+            average_figures = {"final_average_model_eval_loss": float(table[-1][0]),
+                               "final_average_model_accuracy": float(table[-1][1])}
+        consensus = consensus_distance(engine, job.optimizer.evaluation_parameters())
+
+        def mean(values: list[float]) -> float:
+            finite = [v for v in values if math.isfinite(v)]
+            return sum(finite) / len(finite) if finite else math.nan
+
+        self.record = {"step": round(mean(steps)), "epoch": round(mean(epochs), 4), "loss": mean(losses),
+                       "consensus_distance": consensus, "time_s": max(ends), "time_source": engine.time_source}
+        if status != results.INTERRUPTED:
+            self.last_eval = {"eval_loss": mean(eval_losses), "accuracy": mean(accs)}
+        summary = self.summary(status, error, step)
+        summary.update({"steps_per_rank": [int(v) for v in steps], "time_per_rank_s": ends,
+                        "final_worst_accuracy": min(accs), **average_figures})
+        if status == results.INTERRUPTED:
+            summary["checkpoint_step"] = checkpoint.latest(self.run_dir)["step"] if checkpoint.latest(self.run_dir) else None
+        return summary
 
     def summary(self, status: str, error: str | None, step: int) -> dict:
         """The job's summary (collective): what it trained to, its costs, and (unless stopped to be resumed)
@@ -339,6 +573,10 @@ class Training:
             "throughput_samples_per_s": scaling.throughput(engine.size, batch, step_time_s),
             "bytes_sent_per_step": bytes_per_step,
             "heterogeneity": self.heterogeneity.describe(),
+            # A time budget: what ended training (steps, budget, stop, diverged), each rank's steps and time.
+            "budget_s": self.budget_s,
+            "ended_by": self.ended if status != results.DIVERGED else results.DIVERGED,
+            **({} if self.unlocked else self.rank_figures(step, self.clock.now_s())),
             "train_time_s": record.get("time_s"),
             "train_time_source": engine.time_source,
             # Held-out evaluation, apart from training: seconds per rank (mean over ranks), how many, how often.
@@ -575,6 +813,16 @@ def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
         heartbeat.close()
         if engine.timeline is not None:  # what happened, up to a failure too
             engine.timeline.save()
+
+
+def starve(cfg: Any, engine: Engine, run_dir: Path) -> Path | None:
+    """A slow process rank under heterogeneity.cpu_quota: into its own CPU-quota cgroup (bfexp.cgroups);
+    None for any other rank."""
+    node = cfg.get("heterogeneity") or {}
+    quota = node.get("cpu_quota")
+    if quota is None or not engine.processes or engine.rank not in list(node.get("slow_ranks") or ()):
+        return None
+    return cgroups.starve(run_dir, engine.rank, float(quota))
 
 
 # ---------------------------------------------------------------- an MPI rank's process

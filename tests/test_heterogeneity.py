@@ -102,7 +102,7 @@ def test_every_option_composes_and_runs_on_virtual_ranks(bfexp):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["heterogeneity"] == {"slow_ranks": [2], "factor": 2.0, "delay": "constant", "delay_s": 0.002,
                                         "pause_probability": 1.0, "pause_s": 0.01, "step_time_s": 0.01,
-                                        "active": True}
+                                        "cpu_quota": None, "active": True}
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["time_source"] for r in records] == ["simulated"] * 2
     assert [r["time_s"] for r in records] == pytest.approx([3 * 0.032, 6 * 0.032], abs=1e-12)

@@ -1,0 +1,171 @@
+"""Training for a time budget (budget_s, bfexp.budget): each rank runs as many steps as its speed allows.
+
+References come from the options alone: with one rank 4x slower (heterogeneity.factor=4, simulated
+step time 10 ms), an asynchronous rank trains budget / 10 ms steps and the straggler a quarter of
+them; a synchronous run stops where its slowest rank's time reaches the budget (budget / 40 ms steps);
+async push-sum moves mass without creating any, so the ranks' weights sum to the rank count.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bfexp import results
+from tests.conftest import REPO
+
+STRAGGLER = ["engine=threads", "model=mlp", "dataset=digits", "heterogeneity=stragglers", "heterogeneity.factor=4",
+             "ranks=4", "steps=100000", "log_every=5", "baseline_steps=0", "scaling.reference_steps=1",
+             "logger=jsonl"]
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / results.SUMMARY).read_text())
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_budget_s_composes_and_runs_small_synchronous(bfexp):
+    # allreduce: every step lasts the straggler's 40 ms, so 0.4 s is 10 steps, agreed by every rank.
+    proc = bfexp(*STRAGGLER, "algorithm=allreduce", "budget_s=0.4", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    s = summary(bfexp.cwd / "run")
+    assert s["status"] == "completed" and s["ended_by"] == "budget" and s["budget_s"] == 0.4
+    assert s["steps_per_rank"] == [10, 10, 10, 10]
+    assert all(abs(t - 0.4) < 1e-9 for t in s["time_per_rank_s"])
+
+
+@pytest.mark.large
+def test_asynchronous_ranks_run_as_many_steps_as_their_speed_allows(bfexp):
+    runs = []
+    for name in ("a", "b"):
+        proc = bfexp(*STRAGGLER, "algorithm=gossip", "budget_s=1.0", "eval_every_s=0.1", f"hydra.run.dir={name}")
+        assert proc.returncode == 0, proc.stderr
+        runs.append(bfexp.cwd / name)
+    s = summary(runs[0])
+    assert s["status"] == "completed" and s["ended_by"] == "budget"
+    slow, fast = s["steps_per_rank"][0], s["steps_per_rank"][1:]
+    # 1 s of 10 ms steps; the straggler's are 40 ms: a quarter as many.
+    assert fast == [100, 100, 100] and slow == 25
+    assert all(abs(f / slow - 4) <= 0.4 for f in fast)
+    assert all(t <= 1.0 + 1e-9 for t in s["time_per_rank_s"])
+    # No common step boundary: at every scheduled evaluation the straggler is at another step.
+    merged = lines(runs[0] / results.METRICS)
+    scheduled = [r for r in merged if r["scheduled_s"] is not None]
+    assert len(scheduled) == 9
+    assert all(r["steps_per_rank"][0] < min(r["steps_per_rank"][1:]) for r in scheduled)
+    # The straggler logged at its own steps 5, 10, ... by its own clock (40 ms each): no collective.
+    own = [r for r in lines(runs[0] / "metrics" / "rank0.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in own[:3]] == [5, 10, 15]
+    assert [round(r["time_s"], 9) for r in own[:3]] == [0.2, 0.4, 0.6]
+    # Average-model and worst-rank figures at each scheduled time, and the final ones.
+    assert all(r["average_model_accuracy"] is not None and r["worst_accuracy"] <= r["accuracy"] for r in merged)
+    # Simulated time: a second run gives the same metrics.
+    assert (runs[0] / results.METRICS).read_text() == (runs[1] / results.METRICS).read_text()
+    b = summary(runs[1])
+    for key in ("final_accuracy", "final_loss", "final_average_model_accuracy", "consensus_distance"):
+        assert s[key] == b[key], key
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "bfexp.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+                            start_new_session=True)
+
+
+def wait_for_records(run: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        files = list((run / "metrics").glob("rank*.jsonl")) if (run / "metrics").exists() else []
+        if files and all(f.stat().st_size > 0 for f in files):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no records in {run}: {proc.poll()}")
+
+
+@pytest.mark.large
+def test_sigterm_stops_an_asynchronous_budget_run_with_a_checkpoint_that_resumes_bit_for_bit(tmp_path):
+    # Gossip on virtual ranks: the run stopped by SIGTERM mid-budget and resumed ends where an
+    # uninterrupted run ends, to the bit; push-sum's weights (mass) at the stop sum to the rank count.
+    args = [*STRAGGLER, "algorithm=gossip", "budget_s=20", "eval_every_s=1"]
+    whole = subprocess.run([sys.executable, "-m", "bfexp.cli", *args, "hydra.run.dir=whole"], cwd=tmp_path,
+                           capture_output=True, text=True, env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+                           timeout=600)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    run = tmp_path / "cut"
+    proc = start([*args, "hydra.run.dir=cut"], tmp_path)
+    wait_for_records(run, proc)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 10, out
+    s = summary(run)
+    assert s["status"] == "interrupted", out
+    assert (run / "checkpoint" / "latest.json").exists()
+    resumed = subprocess.run([sys.executable, "-m", "bfexp.cli", f"resume={run}"], cwd=tmp_path, capture_output=True,
+                             text=True, env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a, b = summary(tmp_path / "whole"), summary(run)
+    assert b["status"] == "completed" and b["resumed_from_step"] > 0
+    for key in ("steps_per_rank", "final_accuracy", "final_loss", "consensus_distance", "final_average_model_accuracy"):
+        assert a[key] == b[key], key
+    assert (tmp_path / "whole" / results.METRICS).read_text() == (run / results.METRICS).read_text()
+
+
+@pytest.mark.large
+def test_async_push_sum_keeps_its_mass_under_a_budget(tmp_path):
+    # Stopped mid-budget: every rank's weight, folded at the checkpoint, sums to the rank count.
+    args = [*STRAGGLER, "algorithm=async_push_sum", "topology=one_peer_exp2", "budget_s=30", "eval_every_s=1"]
+    run = tmp_path / "run"
+    proc = start([*args, "hydra.run.dir=run"], tmp_path)
+    wait_for_records(run, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert summary(run)["status"] == "interrupted", out
+    folder = run / "checkpoint" / json.loads((run / "checkpoint" / "latest.json").read_text())["folder"]
+    states = [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    weights = [float(st["algorithm"]["buffers"]["_saved_weight"]) for st in states]
+    assert abs(sum(weights) - 4.0) < 1e-12, weights
+    assert len({st["step"] for st in states}) > 1  # the ranks stopped at steps of their own
+
+
+def cgroups_here() -> bool:
+    from bfexp import cgroups
+    from bfexp.errors import ConfigError
+
+    try:
+        cgroups.check_available()
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.large
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and a cgroup v1 cpu controller")
+def test_a_cpu_starved_process_rank_is_slower_and_leaves_no_cgroup(bfexp):
+    from bfexp import cgroups
+
+    base = ["engine=mpi", "ranks=2", "model=mlp", "dataset=digits", "algorithm=gossip", "heterogeneity=stragglers",
+            "heterogeneity.cpu_quota=0.05", "steps=100000", "baseline_steps=0", "scaling.reference_steps=1",
+            "logger=jsonl"]
+    proc = bfexp(*base, "budget_s=1", "hydra.run.dir=slow")
+    assert proc.returncode == 0, proc.stderr
+    s = summary(bfexp.cwd / "slow")
+    assert s["heterogeneity"]["cpu_quota"] == 0.05
+    # 5% of a CPU against at least a share of two cores: far fewer steps in the same second.
+    assert s["steps_per_rank"][0] * 2 < s["steps_per_rank"][1], s["steps_per_rank"]
+    assert not cgroups.job_group(bfexp.cwd / "slow").exists()
+    # The starved rank killed: the job fails, and its cgroup goes all the same.
+    proc = bfexp(*base, "budget_s=30", "fail_rank=0", "fail_step=3", "fail_mode=kill", "hydra.run.dir=killed")
+    assert proc.returncode != 0
+    assert summary(bfexp.cwd / "killed")["status"] == "failed"
+    assert not cgroups.job_group(bfexp.cwd / "killed").exists()
