@@ -152,8 +152,7 @@ class StackedEngine(Engine):
             rows = np.concatenate([diag, m.receivers])
             cols = np.concatenate([diag, m.senders])
             values = np.concatenate([(1.0 - scale) + scale * m.diag, scale * m.values])
-            coo = torch.sparse_coo_tensor(torch.from_numpy(np.stack([rows, cols])), torch.from_numpy(values), (n, n))
-            hit = self._matrices[key] = (coo.coalesce().to(dtype).to_sparse_csr(), len(m.values) / n)
+            hit = self._matrices[key] = (sparse_csr(rows, cols, values, n, dtype), len(m.values) / n)
         return hit
 
     # mixing: every rank's neighbor_allreduce at once ---------------------
@@ -223,10 +222,8 @@ class StackedEngine(Engine):
         m = topology.sparse_matrix(0)
         n = topology.size
         diag = np.arange(n)
-        coo = torch.sparse_coo_tensor(
-            torch.from_numpy(np.stack([np.concatenate([diag, m.receivers]), np.concatenate([diag, m.senders])])),
-            torch.from_numpy(np.concatenate([m.diag, m.values])), (n, n))
-        return coo.coalesce().to(dtype).to_sparse_csr(), len(m.values) / n
+        rows, cols = np.concatenate([diag, m.receivers]), np.concatenate([diag, m.senders])
+        return sparse_csr(rows, cols, np.concatenate([m.diag, m.values]), n, dtype), len(m.values) / n
 
     # collectives ----------------------------------------------------------
     def _post_allreduce(self, call: Call, op: str, blocking: bool) -> Pending:
@@ -287,6 +284,18 @@ class StackedEngine(Engine):
 
     def win_create(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         return self._no_windows()
+
+
+def sparse_csr(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (n, n) matrix with ``values`` at (rows, cols) as torch's sparse CSR (torch calls its CSR support
+    beta, and warns so once per process: a mixing matrix is the plain case it supports)."""
+    import warnings
+
+    index = torch.from_numpy(np.stack([rows, cols]).astype(np.int64))
+    coo = torch.sparse_coo_tensor(index, torch.from_numpy(values), (n, n), check_invariants=True).coalesce()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return coo.to(dtype).to_sparse_csr()
 
 
 # ---------------------------------------------------------------- the model
