@@ -116,6 +116,8 @@ FIELDS = (
     Field("time_to_target_eval_loss_s", "t->loss s", "time to target held-out loss (s)", console=False,
           job_table=False),
     Field("wall_time_s", "wall s", "wall time (s)", console=False),
+    # The largest resident memory of the process that ran rank 0 (virtual ranks: every rank's, one process).
+    Field("peak_memory_bytes", "peak B", "peak memory (bytes)", console=False),
 )
 FIELD = {f.key: f for f in FIELDS}
 # The scaling figures a summary headlines, with their intervals; `time_source` says whether they are measured or modeled.

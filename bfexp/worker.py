@@ -167,6 +167,13 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
                  device, made.notes, make_rank_model)
 
 
+def peak_memory_bytes() -> int:
+    """The largest resident set of this process so far (Linux reports KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def rank_numel(model: torch.nn.Module) -> int:
     """Parameters of one rank's model (a stacked model holds every rank's)."""
     return model.rank_numel if isinstance(model, StackedModel) else sum(p.numel() for p in model.parameters())
@@ -289,6 +296,7 @@ class Training:
         summary = self.summary(status, error, step)
         optimizer.close()
         summary["wall_time_s"] = time.perf_counter() - self.started
+        summary["peak_memory_bytes"] = peak_memory_bytes()
         if engine.rank == 0:
             results.write_json_atomic(self.run_dir / results.SUMMARY, summary)
         return Trained(summary, float(loss.detach().mean()) if loss is not None else None, parameters)
