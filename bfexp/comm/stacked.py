@@ -65,7 +65,8 @@ STACKABLE_ALGORITHMS = ("dsgd", "exact_diffusion", "gradient_tracking", "push_su
 # torch optimizers whose step is elementwise given the step count (one over the stack = n independent ones).
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam")
 # Layers that couple the samples of a batch in train mode: one rank's batch statistics are not a slice.
-BATCH_COUPLED = (torch.nn.modules.batchnorm._BatchNorm,)
+BATCH_COUPLED = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm,
+                 torch.nn.LazyBatchNorm1d, torch.nn.LazyBatchNorm2d, torch.nn.LazyBatchNorm3d)
 
 
 class StackedEngine(Engine):
@@ -512,14 +513,13 @@ def check_job(cfg: Any, in_shape: tuple[int, ...], classes: int) -> None:
     """The driver's check of an engine=stacked job before any rank starts (the algorithm's own check_run
     has refused a rule that is not stackable): ConfigError, one line, for what cannot be stacked."""
     from bfexp import config
-    from bfexp.models import CPU_CHECK_PARAMETERS, _construct, _materialize, build_model
+    from bfexp.models import CPU_CHECK_PARAMETERS, build_model, on_meta
 
     why = job_refusal(cfg)
     if why:
         raise ConfigError(why)
     check_optimizer(config.target_of(cfg.optimizer, "optimizer"))
-    with torch.device("meta"):  # its layers and size, nothing allocated
-        sized = _construct(cfg.model, in_shape, classes)
+    sized = on_meta(cfg.model, in_shape, classes)  # its layers and size, nothing allocated
     check_stackable_model(sized)
     if sum(p.numel() for p in sized.parameters() if not isinstance(p, torch.nn.parameter.UninitializedParameter)) \
             <= CPU_CHECK_PARAMETERS:
