@@ -110,6 +110,9 @@ FIELDS = (
     Field("train_time_s", "train s", "training time (s)", console=False),
     # Seconds a rank spent evaluating the held-out set (mean over ranks), apart from training time.
     Field("eval_time_s", "eval s", "evaluation time (s)", console=False),
+    # Ranks whose held-out figures final_accuracy and final_eval_loss average: every rank, or on
+    # engine=stacked above 512 ranks a sample of evenly spaced ones.
+    Field("eval_ranks", "eval ranks", "ranks evaluated", console=False),
     Field("target_accuracy", "target acc", "target accuracy", console=False, job_table=False),
     Field("time_to_target_accuracy_s", "t->acc s", "time to target accuracy (s)", job_table=False),
     Field("target_eval_loss", "target loss", "target held-out loss", console=False, job_table=False),

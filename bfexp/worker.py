@@ -371,6 +371,9 @@ class Training:
             "eval_time_s": eval_time_s,
             "evaluations": self.evals.count,
             "eval_every": self.evals.interval,
+            # Ranks whose held-out figures the accuracy and eval loss average (engine=stacked: a sample of
+            # evenly spaced ranks above bfexp.comm.stacked.EVAL_RANKS).
+            "eval_ranks": len(job.model.evaluated_ranks()) if isinstance(job.model, StackedModel) else engine.size,
         })
         if self.checkpoints.step:
             summary["resumed_from_step"] = self.checkpoints.step

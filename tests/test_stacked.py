@@ -303,3 +303,41 @@ def test_training_equals_threads_every_rule(tmp_path, case):
     diff, threads, stacked = train_both(tmp_path, LARGE_TRAINING[case], ranks=8)
     assert float(diff) <= TOL
     assert stacked["consensus_distance"] == pytest.approx(threads["consensus_distance"], rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_evaluation_equals_each_ranks_own(monkeypatch, sample):
+    """StackedModel.evaluate, in blocks of a few ranks and samples, equals bfexp.metrics.evaluate of each
+    rank's own model; above EVAL_RANKS ranks, the means over the evenly spaced ranks it names."""
+    import bfexp.comm.stacked as stacked_module
+    from bfexp.metrics import evaluate
+    from bfexp.models import MLP
+
+    n = 7
+    monkeypatch.setattr(stacked_module, "EVAL_BLOCK", 2 * 5 * 6)  # 2 ranks x 5 samples of 6 features a block
+    if sample:
+        monkeypatch.setattr(stacked_module, "EVAL_RANKS", 3)
+    gen = torch.Generator().manual_seed(4)
+    stacked = StackedModel(MLP(in_shape=(6,), classes=3, hidden=[5]).double(), n)
+    with torch.no_grad():
+        for p in stacked.stack:
+            p.add_(torch.randn(p.shape, dtype=p.dtype, generator=gen))
+    x = torch.randn(23, 6, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, 3, (23,), generator=gen)
+    own = []
+    for r in range(n):
+        one = MLP(in_shape=(6,), classes=3, hidden=[5]).double()
+        with torch.no_grad():
+            for p, s in zip(one.parameters(), stacked.stack):
+                p.copy_(s[..., r])
+        own.append(evaluate(one, x, y, batch=256))
+    loss, accuracy = stacked.evaluate(x, y, batch=5)
+    ranks = [0, 3, 6] if sample else list(range(n))
+    assert stacked.evaluated_ranks().tolist() == ranks
+    want_loss = np.array([own[r][0] for r in ranks])
+    want_accuracy = np.array([own[r][1] for r in ranks])
+    if sample:
+        assert loss.dim() == 0 and accuracy.dim() == 0
+        want_loss, want_accuracy = want_loss.mean(), want_accuracy.mean()
+    np.testing.assert_allclose(loss.numpy(), want_loss, rtol=1e-6)  # the losses are taken in float32
+    np.testing.assert_allclose(accuracy.numpy(), want_accuracy, rtol=0, atol=1e-12)
