@@ -421,12 +421,16 @@ class BatchSampler:
     def next_indices(self) -> torch.Tensor:
         """The next mini-batch's positions in the shard (what ``next`` returns the samples of)."""
         if self._pos + self.batch_size > len(self._order):
-            self.epoch += 1
-            self._order = torch.randperm(len(self.data.train_y), generator=self.generator)
-            self._pos = 0
+            self._reshuffle()
         idx = self._order[self._pos : self._pos + self.batch_size]
         self._pos += self.batch_size
         return idx
+
+    def _reshuffle(self) -> None:
+        """A new epoch: a new order from the rank's generator, from its start."""
+        self.epoch += 1
+        self._order = torch.randperm(len(self.data.train_y), generator=self.generator)
+        self._pos = 0
 
     def epoch_progress(self) -> float:
         return self.epoch + self._pos / max(1, len(self._order))
@@ -439,3 +443,39 @@ class BatchSampler:
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
         self.epoch, self._order, self._pos = int(state["epoch"]), state["order"].clone(), int(state["position"])
+
+
+class LockstepBatches:
+    """BatchSamplers of equally long shards, advanced together: each one's batches are its own
+    ``next_indices``, but one step costs a few tensor ops, not a Python call per sampler (engine=stacked
+    draws 4096 ranks' batches a step: 80 ms rank by rank). Equal shards and batch sizes keep the samplers
+    in lock step (each epoch ends at the same step), so the first one's position is every one's; the
+    others' are written back when their state is read (``sync``). Reshuffles, once an epoch, run per
+    sampler, from its own generator."""
+
+    def __init__(self, samplers: list[BatchSampler]) -> None:
+        lengths = {len(s._order) for s in samplers}
+        if len(lengths) != 1 or len({s.batch_size for s in samplers}) != 1:
+            raise ValueError("LockstepBatches needs shards of one length; allowed: equally long shards")
+        self.samplers = samplers
+        self._orders = torch.stack([s._order for s in samplers])
+
+    def next_indices(self) -> torch.Tensor:
+        """Every sampler's next mini-batch positions in its shard, ``(samplers, batch)``."""
+        first = self.samplers[0]
+        if first._pos + first.batch_size > len(first._order):
+            for s in self.samplers:
+                s._reshuffle()
+            self._orders = torch.stack([s._order for s in self.samplers])
+        idx = self._orders[:, first._pos : first._pos + first.batch_size]
+        first._pos += first.batch_size
+        return idx
+
+    def sync(self) -> None:
+        """Write the shared position into every sampler (before their state is read)."""
+        for s in self.samplers[1:]:
+            s._pos = self.samplers[0]._pos
+
+    def reload(self) -> None:
+        """After the samplers' state was loaded: take their orders again."""
+        self._orders = torch.stack([s._order for s in self.samplers])

@@ -341,3 +341,33 @@ def test_evaluation_equals_each_ranks_own(monkeypatch, sample):
         want_loss, want_accuracy = want_loss.mean(), want_accuracy.mean()
     np.testing.assert_allclose(loss.numpy(), want_loss, rtol=1e-6)  # the losses are taken in float32
     np.testing.assert_allclose(accuracy.numpy(), want_accuracy, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("lengths", [[10, 10, 10], [10, 7, 10]])
+def test_sampler_gives_each_ranks_own_batches(lengths):
+    """StackedSampler's rows are each rank's own BatchSampler's batches (its generator, its epochs), over
+    several epochs, equally long shards (drawn in lock step) or not; its state resumes the same batches."""
+    from bfexp.comm.stacked import StackedData, StackedSampler
+    from bfexp.data import BatchSampler, RankData
+
+    gen = torch.Generator().manual_seed(5)
+    shards = [RankData(torch.randn(k, 2, generator=gen), torch.randint(0, 3, (k,), generator=gen),
+                       torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64), 3, sum(lengths)) for k in lengths]
+    stacked = StackedSampler(StackedData(shards), batch_size=3, seed=7)
+    own = [BatchSampler(shard, 3, 7, r) for r, shard in enumerate(shards)]
+    for step in range(9):  # 3 epochs of 3 batches
+        x, y = stacked.next()
+        for r, sampler in enumerate(own):
+            bx, by = sampler.next()
+            assert torch.equal(x[r], bx) and torch.equal(y[r], by), (step, r)
+        if step == 4:
+            state = stacked.state_dict()
+            assert [s["position"] for s in state["ranks"]] == [sampler.state_dict()["position"] for sampler in own]
+    resumed = StackedSampler(StackedData(shards), batch_size=3, seed=7)
+    resumed.load_state_dict(state)
+    replay = StackedSampler(StackedData(shards), batch_size=3, seed=7)
+    for _ in range(5):
+        replay.next()
+    for _ in range(6):
+        assert torch.equal(resumed.next()[0], replay.next()[0])
+    assert stacked.epoch == own[0].epoch

@@ -477,7 +477,7 @@ class StackedSampler:
     leaves it out)."""
 
     def __init__(self, data: StackedData, batch_size: int, seed: int) -> None:
-        from bfexp.data import BatchSampler
+        from bfexp.data import BatchSampler, LockstepBatches
 
         self.samplers = [BatchSampler(shard, batch_size, seed, r) for r, shard in enumerate(data.shards)]
         self.batch_size = self.samplers[0].batch_size  # rank 0's, as other engines report it
@@ -487,6 +487,8 @@ class StackedSampler:
         self._x = torch.cat([shard.train_x for shard in data.shards])
         self._y = torch.cat([shard.train_y for shard in data.shards])
         self._even = all(s.batch_size == self.width for s in self.samplers)
+        # Equally long shards (the synthetic data, an even split): every rank's batch in a few tensor ops.
+        self._lockstep = LockstepBatches(self.samplers) if len(set(sizes)) == 1 else None
 
     @property
     def epoch(self) -> int:
@@ -496,6 +498,9 @@ class StackedSampler:
         return self.samplers[0].epoch_progress()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._lockstep is not None:
+            idx = self._lockstep.next_indices() + self._offsets.unsqueeze(1)
+            return self._x[idx], self._y[idx]
         parts = [s.next_indices() for s in self.samplers]
         if self._even:
             idx = torch.stack(parts) + self._offsets.unsqueeze(1)
@@ -509,11 +514,15 @@ class StackedSampler:
         return x, torch.where(valid, y, torch.full_like(y, -1))
 
     def state_dict(self) -> dict:
+        if self._lockstep is not None:
+            self._lockstep.sync()
         return {"ranks": [s.state_dict() for s in self.samplers]}
 
     def load_state_dict(self, state: dict) -> None:
         for s, one in zip(self.samplers, state["ranks"]):
             s.load_state_dict(one)
+        if self._lockstep is not None:
+            self._lockstep.reload()
 
 
 # ---------------------------------------------------------------- what a job may ask of it
