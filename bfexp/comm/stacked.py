@@ -32,6 +32,10 @@ The contract's front halves (bfexp.comm.engine) are reused as they are:
 fusing, in-place delivery, timing, bytes. ``bytes_sent`` counts one rank's
 bytes (the mean over ranks), as a rank of another engine counts its own.
 
+Evaluation: every rank's model on the held-out set, in blocks of ranks x samples through the same
+vmapped forward; above ``EVAL_RANKS`` ranks, that many evenly spaced ranks stand for all (the summary's
+``eval_ranks`` says how many).
+
 Time: the stack has one clock (every rank steps in lock step); ``advance``
 moves it by a rank's share of the stack's compute time (``seconds / n``),
 so ``time_source`` is "simulated" as on threads.
