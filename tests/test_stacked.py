@@ -111,6 +111,8 @@ CASES = [
     ("gradient_tracking-one_peer", "gradient_tracking", ONE_PEER, "sgd", {}),
     ("push_sum-directed", "push_sum", DIRECTED, "sgd", {}),
     ("allreduce-adamw", "allreduce", RING, "adamw", {}),
+    ("choco_sgd-top_k-ring", "choco_sgd", RING, "sgd", {"compressor": {"_target_": "bfexp.compression.TopK",
+                                                                       "ratio": 0.5}}),
 ]
 LARGE_CASES = [
     ("dsgd-awc-one_peer", "dsgd", ONE_PEER, "sgd", {"style": "awc"}),
@@ -130,6 +132,11 @@ LARGE_CASES = [
     ("slowmo", "slowmo", ONE_PEER, "momentum", {"communication_period": 4}),
     ("qg_dsgdm", "qg_dsgdm", RING, "sgd", {}),
     ("qg_dsgdm-one_peer", "qg_dsgdm", ONE_PEER, "sgd", {}),
+    ("choco_sgd-random_k-sexp2", "choco_sgd", SEXP2, "momentum",
+     {"compressor": {"_target_": "bfexp.compression.RandomK", "ratio": 0.5, "seed": 3}}),
+    ("choco_sgd-qsgd-ring", "choco_sgd", RING, "sgd", {"compressor": "qsgd", "gamma": 0.5}),
+    ("choco_sgd-sign-global_average_every", "choco_sgd", RING, "adam", {"compressor": "sign",
+                                                                        "global_average_every": 4}),
 ]
 
 
@@ -183,9 +190,20 @@ def train(engine, problem: lsq.Problem, algorithm: str, topology: dict, kind: st
 
 
 def check_case(algorithm: str, topology: dict, kind: str, options: dict) -> None:
+    """Parameters to 1e-12, and bytes: a stacked engine counts one rank's (the mean over ranks)."""
     problem = lsq.problem(seed=3)
-    threads = run_threads(N, lambda e: train(e, problem, algorithm, topology, kind, options, e.rank))
-    stacked = train(StackedEngine(size=N), problem, algorithm, topology, kind, options, None)
+    sent: list[int] = [0] * N
+
+    def on_threads(engine):
+        out = train(engine, problem, algorithm, topology, kind, options, engine.rank)
+        sent[engine.rank] = engine.bytes_sent
+        return out
+
+    threads = run_threads(N, on_threads)
+    engine = StackedEngine(size=N)
+    stacked = train(engine, problem, algorithm, topology, kind, options, None)
+    if algorithm == "choco_sgd":  # its compressed payloads are what travels
+        assert engine.bytes_sent == pytest.approx(sum(sent) / N, rel=1e-12), (engine.bytes_sent, sent)
     want = torch.stack(threads, -1)
     assert want.shape == stacked.shape
     assert float((want - stacked).abs().max()) <= TOL
@@ -264,6 +282,7 @@ LARGE_TRAINING = {
     "allreduce": ["algorithm=allreduce"],
     "diloco": ["algorithm=diloco", "algorithm.communication_period=5", "topology=ring"],
     "qg_dsgdm-exp2": ["algorithm=qg_dsgdm", "topology=exp2"],
+    "choco_sgd-ring-top_k": ["algorithm=choco_sgd", "topology=ring", "algorithm.gamma=0.5"],
 }
 
 

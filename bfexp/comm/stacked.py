@@ -65,7 +65,7 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "STACKABLE_ALGORITHMS", "StackedData", "Sta
 
 # The shipped rules whose update is elementwise plus engine operations (each class states ``stackable``).
 STACKABLE_ALGORITHMS = ("dsgd", "exact_diffusion", "gradient_tracking", "push_sum", "push_diging", "allreduce",
-                        "diloco", "slowmo", "qg_dsgdm")
+                        "choco_sgd", "diloco", "slowmo", "qg_dsgdm")
 # torch optimizers whose step is elementwise given the step count (one over the stack = n independent ones).
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam")
 # Layers that couple the samples of a batch in train mode: one rank's batch statistics are not a slice.
@@ -169,10 +169,13 @@ class StackedEngine(Engine):
 
     # mixing: every rank's neighbor_allreduce at once ---------------------
     @recorded
-    def imix_(self, tensors: TensorOrList, topology: Any, t: int, scale: float = 1.0) -> Handle:
+    def imix_(self, tensors: TensorOrList, topology: Any, t: int, scale: float = 1.0,
+              wire_bytes: int | None = None) -> Handle:
         """Start ``X := X ((1 - scale) I + scale W(t))^T`` in place: for each rank i, ``(1 - scale) x_i +
         scale sum_j W(t)[i, j] x_j``; what neighbor_allreduce of round t gives on each rank of another
-        engine (row-stochastic mixing and column-stochastic pushes alike: both are the product W X)."""
+        engine (row-stochastic mixing and column-stochastic pushes alike: both are the product W X).
+        ``wire_bytes``: one rank's message as it travels when not the tensor itself (a compressed payload,
+        which the receivers decode into what is mixed here), counted instead of the tensor's bytes."""
         started = time.perf_counter()
         call = Call(tensors, inplace=True)
         check_float(call.tensors, "neighbor_allreduce")
@@ -180,7 +183,8 @@ class StackedEngine(Engine):
         result, degree = self._mixed(x, topology, t, scale)
         x.copy_(result)
         delivered = call.deliver(call.flat)
-        return self._track("neighbor_allreduce", int(call.nbytes * degree), started, lambda: delivered)
+        message = call.nbytes if wire_bytes is None else int(wire_bytes) * self._size
+        return self._track("neighbor_allreduce", int(message * degree), started, lambda: delivered)
 
     def _mixed(self, x: torch.Tensor, topology: Any, t: int, scale: float) -> tuple[torch.Tensor, float]:
         """``x`` (elements, ranks) mixed by round t of ``topology``: a new (elements, ranks) tensor."""
