@@ -23,8 +23,10 @@ MAX_PANELS = 36
 MAX_ARROWS = 2000
 
 
-def draw(topology: "Topology", path: str | Path, *, max_panels: int = MAX_PANELS) -> Path:
-    """Draw W(t) for t in one period into an image file (format from the suffix, e.g. .png)."""
+def draw(topology: "Topology", path: str | Path, *, max_panels: int = MAX_PANELS,
+         spectral_gap: float | None = None) -> Path:
+    """Draw W(t) for t in one period into an image file (format from the suffix, e.g. .png);
+    ``spectral_gap`` for the title when the caller has computed it (else computed here)."""
     import networkx as nx
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -82,7 +84,7 @@ def draw(topology: "Topology", path: str | Path, *, max_panels: int = MAX_PANELS
     lines = f"\nover {MAX_ARROWS} edges a panel: edges as plain lines (no arrows, no weights)" if plain else ""
     fig.suptitle(
         f"{topology.label}\n{n} ranks, weights={topology.weight_scheme}, {kind}, "
-        f"spectral gap {topology.spectral_gap():.4f}{lines}",
+        f"spectral gap {topology.spectral_gap() if spectral_gap is None else spectral_gap:.4f}{lines}",
         fontsize=11,
     )
     path = Path(path)
