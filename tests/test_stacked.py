@@ -21,6 +21,7 @@ from torch import nn
 
 from bfexp.comm.stacked import StackedEngine, StackedModel
 from bfexp.comm.threads import run_threads
+from bfexp.models import CNN, MLP, LogReg
 from tests.algorithms import configs, lsq
 from tests.algorithms.test_least_squares import DIRECTED, ONE_PEER, ONE_PEER_PUSH, RING, SEXP2
 from tests.cli_in_process import call
@@ -251,23 +252,51 @@ def test_refuses_what_cannot_stack_before_running():
         assert "allowed:" in lines[0]
 
 
-def test_stacked_model_is_one_slice_per_rank():
-    """StackedModel's forward on rank r's batch is the model's own forward with rank r's parameters."""
-    from bfexp.models import MLP
+class Shifted(nn.Module):
+    """A model outside LayerProgram's layers (its own forward): the stack runs it vmapped."""
 
-    base = MLP(in_shape=(6,), classes=3, hidden=[5]).double()
+    def __init__(self, in_shape: tuple[int, ...], classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_shape[0], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(x) + 1.0)
+
+
+STACKED_MODELS = {  # name -> (a model of one rank, one sample's shape, whether LayerProgram runs it)
+    "mlp": (lambda: MLP(in_shape=(6,), classes=3, hidden=[5, 4], activation="tanh"), (6,), True),
+    "logreg": (lambda: LogReg(in_shape=(2, 3), classes=3), (2, 3), True),
+    "cnn": (lambda: CNN(in_shape=(16,), classes=3, channels=[2, 3], hidden=5), (16,), True),
+    "own-forward": (lambda: Shifted((6,), 3), (6,), False),
+}
+
+
+@pytest.mark.parametrize("name", list(STACKED_MODELS))
+def test_stacked_model_is_one_slice_per_rank(name):
+    """StackedModel's forward on rank r's batch, and the gradient of every rank's loss, are the model's own
+    with rank r's parameters (the batched layers of LayerProgram, or vmap for another model)."""
+    make, shape, batched = STACKED_MODELS[name]
+    torch.manual_seed(0)
+    base = make().double()
     stacked = StackedModel(base, 3)
+    assert (stacked.program is not None) == batched
     with torch.no_grad():
         for p in stacked.stack:
             p.add_(torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(2)))
-    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    x = torch.randn(3, 4, *shape, dtype=torch.float64)
     out = stacked(x)
+    grads = torch.autograd.grad(out.square().sum(), list(stacked.stack))
+    shared = stacked.forward_shared(x[0])
     for r in range(3):
-        one = MLP(in_shape=(6,), classes=3, hidden=[5]).double()
+        one = make().double()
         with torch.no_grad():
             for p, s in zip(one.parameters(), stacked.stack):
                 p.copy_(s[..., r])
-        torch.testing.assert_close(out[r], one(x[r]), rtol=0, atol=1e-14)
+        want = one(x[r])
+        torch.testing.assert_close(out[r], want, rtol=0, atol=1e-13)
+        torch.testing.assert_close(shared[r], one(x[0]), rtol=0, atol=1e-13)
+        for g, w in zip(grads, torch.autograd.grad(want.square().sum(), list(one.parameters()))):
+            torch.testing.assert_close(g[..., r], w, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- the worker's real training
@@ -330,7 +359,6 @@ def test_evaluation_equals_each_ranks_own(monkeypatch, sample):
     rank's own model; above EVAL_RANKS ranks, the means over the evenly spaced ranks it names."""
     import bfexp.comm.stacked as stacked_module
     from bfexp.metrics import evaluate
-    from bfexp.models import MLP
 
     n = 7
     monkeypatch.setattr(stacked_module, "EVAL_BLOCK", 2 * 5 * 6)  # 2 ranks x 5 samples of 6 features a block
