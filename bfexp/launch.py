@@ -274,7 +274,9 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
 
     started, reason = time.monotonic(), None
     saved_threads = torch.get_num_threads()
-    torch.set_num_threads(intra_op_threads(threads))  # process-wide: set once, here
+    # process-wide: set once, here. engine=stacked: one torch thread; its ops are many small batched
+    # kernels, which two threads on this shared 2-core machine ran 3-5x slower than one (128 ranks).
+    torch.set_num_threads(1 if stacked else intra_op_threads(threads))
     try:
         with SIGNALS.job() as signals, routed_output(run_dir / results.LOGS_DIR):
             ending = Ending(cfg, run_dir, watch_ranks, signals)

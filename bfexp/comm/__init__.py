@@ -50,7 +50,8 @@ def engine_class(name: str) -> "type[Engine]":
 class Auto:
     """``engine=auto``: the driver chooses the engine of each job (bfexp.preflight.choose_engine) and prints
     why: nccl when every rank has its own GPU; else mpi while the ranks fit the processor slots times
-    ``slots_factor``; else stacked when the job can be stacked (bfexp.comm.stacked.job_refusal), else threads. Its other settings go to the engine it chooses (``choice``)."""
+    ``slots_factor``; else stacked when the job can be stacked (bfexp.preflight.stacking_refusal: the
+    checks engine=stacked makes), else threads. Its other settings go to the engine it chooses (``choice``)."""
 
     name: ClassVar[str] = "auto"
 
