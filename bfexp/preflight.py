@@ -157,10 +157,13 @@ def stacking_refusal(cfg: Any) -> str | None:
         from bfexp.models import sample_shape
 
         engine_class("stacked")
-        check_job(cfg, *sample_shape(cfg.model, build(cfg.dataset, "dataset")))
+        in_shape, classes = sample_shape(cfg.model, build(cfg.dataset, "dataset"))
+        check_job(cfg, in_shape, classes)
     except ConfigError as e:
         return str(e)
-    return None
+    from bfexp.comm.stacked import threads_as_fast
+
+    return threads_as_fast(cfg, in_shape, classes)
 
 
 def runs_on(cfg: Any, engine: str) -> bool:

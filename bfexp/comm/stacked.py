@@ -664,6 +664,19 @@ def job_refusal(cfg: Any) -> str | None:
     return None
 
 
+def threads_as_fast(cfg: Any, in_shape: tuple[int, ...], classes: int) -> str | None:
+    """Why engine=auto leaves a job that stacks to threads, or None: a model with convolutions, whose
+    compute dominates a rank's step either way (the cnn at 128 ranks took about 1.3x the CPU time per
+    training step stacked, and several times as long per evaluation, as its ranks on threads here)."""
+    from bfexp.models import on_meta
+
+    convolutions = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.LazyConv1d, torch.nn.LazyConv2d,
+                    torch.nn.LazyConv3d)
+    if any(isinstance(m, convolutions) for m in on_meta(cfg.model, in_shape, classes).modules()):
+        return "a convolutional model runs as fast on threads (its convolutions dominate either way)"
+    return None
+
+
 def check_job(cfg: Any, in_shape: tuple[int, ...], classes: int) -> None:
     """The driver's check of an engine=stacked job before any rank starts (the algorithm's own check_run
     has refused a rule that is not stackable): ConfigError, one line, for what cannot be stacked."""
