@@ -28,7 +28,8 @@ OPERATIONS = (
 # bfexp.api's public names (tests/test_api.py checks this is its __all__). Only these load it:
 # any other name (a submodule Hydra or pickle looks up) stays an AttributeError without importing torch.
 _API = frozenset({
-    "DistributedOptimizer", "OPERATIONS", "broadcast_optimizer_state", "broadcast_parameters", "engine", "init",
+    "DistributedOptimizer", "OPERATIONS", "advance", "broadcast_optimizer_state", "broadcast_parameters", "clock_s",
+    "engine", "init",
     "is_initialized", "local_rank", "local_size", "machine_rank", "machine_size", "rank", "shard", "shutdown",
     "size", "spawn", *OPERATIONS,
 })

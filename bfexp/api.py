@@ -49,7 +49,7 @@ import torch
 
 from bfexp import OPERATIONS  # the package lists them, so that `import bfexp` needs no torch
 from bfexp.comm.engine import Engine, forwards
-from bfexp.errors import ConfigError
+from bfexp.errors import ConfigError, number_in
 
 if TYPE_CHECKING:  # pragma: no cover
     from bfexp.algorithms import DecentralizedOptimizer
@@ -58,8 +58,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "OPERATIONS",
     "DistributedOptimizer",
+    "advance",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "clock_s",
     "engine",
     "init",
     "is_initialized",
@@ -197,6 +199,25 @@ def machine_rank() -> int:
 def machine_size() -> int:
     """Machines in the job."""
     return engine().machines
+
+
+def advance(seconds: float) -> None:
+    """``seconds`` of this rank's time pass: its compute, or a straggler's delay, in a script's own loop.
+
+    On virtual ranks the rank's simulated clock moves on (no sleep) and the
+    rank with the earliest clock runs next, so a rank that advances 4x as
+    much makes a quarter of the steps of the others by the same clock; on
+    process ranks (MPI, NCCL) it sleeps. Window operations of a script on
+    virtual ranks hand the turn on too, at no cost in time (docs: "Your own
+    script").
+    """
+    engine().advance(float(number_in("seconds", seconds, low=0, error=ValueError)))
+
+
+def clock_s() -> float:
+    """This rank's time in seconds: simulated on virtual ranks (what ``advance`` and waiting for other
+    ranks have moved it to), wall-clock since the engine started on process ranks."""
+    return engine().clock_s
 
 
 # ------------------------------------------------------------------ the engine's operations

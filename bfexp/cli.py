@@ -499,7 +499,11 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
         from bfexp.scaling import contention_note, processor_count
 
         if job_kind(cfg) != "modeled":  # more CPU ranks than cores: measured scaling is contention
-            note = contention_note(int(cfg.ranks), processor_count(), engine_class(cfg.engine.name).device_type == "cpu")
+            placer = launcher or launcher_of(cfg)
+            ranks = int(cfg.ranks)
+            machines = 1 if placer.on_this_machine else len(placer.hosts(ranks))
+            note = contention_note(placer.ranks_per_host(ranks) if machines > 1 else ranks, processor_count(),
+                                   engine_class(cfg.engine.name).device_type == "cpu", placer.cpu_quotas(ranks))
             if note:
                 print(f"note: {note}", flush=True)
         title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"

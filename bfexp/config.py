@@ -29,6 +29,7 @@ import copy
 import functools
 import importlib
 import inspect
+import math
 import threading
 import types
 import typing
@@ -369,8 +370,14 @@ class ScalingConfig:
     nic_shared: bool = True
     # How fast a rank combines received data with its own (GB/s).
     reduce_gbyte_per_s: float = 10.0
+    # Between machines over TCP on CPUs: GB/s at which one core moves bytes through a rank's network stack
+    # (the kernel's copies of what it sends and receives), paid on top of the wire time; 0: no such cost
+    # (RDMA, GPUDirect, or not modeled).
+    inter_stack_gbyte_per_s: float = 0.0
     # true: ranks are CPU processes sharing this machine's cores (copies slow down past one rank per core).
     shares_cores: bool = False
+    # The cores a machine's ranks share (may be a fraction: a CPU quota); null: this machine's processors.
+    cores: Optional[float] = None
     # The baseline's allreduce: ring (flat) or hierarchical (inside machines, then across).
     allreduce: str = "ring"
     # Share of a step's compute that is the backward pass, which communication can hide behind.
@@ -402,6 +409,15 @@ class LocalScalingConfig(ScalingConfig):
     """This machine, measured; link figures from scripts/calibrate_comm.py."""
 
     name: str = "local"
+    modeled: bool = False
+    shares_cores: bool = True
+
+
+@dataclass
+class EmulatedScalingConfig(ScalingConfig):
+    """The emulated cluster (launcher=emulated), measured; its links and quota from the launcher."""
+
+    name: str = "emulated"
     modeled: bool = False
     shares_cores: bool = True
 
@@ -494,6 +510,7 @@ class Config:
 DATA_GROUPS: dict[str, dict[str, type]] = {
     "scaling": {
         "local": LocalScalingConfig,
+        "emulated": EmulatedScalingConfig,
         "v100_cluster": V100ClusterConfig,
         "h100_cluster": H100ClusterConfig,
         "ethernet_10g": Ethernet10GConfig,
@@ -501,10 +518,19 @@ DATA_GROUPS: dict[str, dict[str, type]] = {
 }
 
 
+def tcp_goodput(rate: str) -> float:
+    """A link rate's TCP payload GB/s (launcher=emulated's arithmetic; imported when a config asks)."""
+    from bfexp.launchers.emulated import tcp_goodput_gbyte_per_s
+
+    return tcp_goodput_gbyte_per_s(rate)
+
+
 # Resolvers the hydra/launcher=slurm preset does its arithmetic with (a job's ranks -> its allocation).
 RESOLVERS: dict[str, Callable[..., Any]] = {"bfexp_nodes": nodes_for, "bfexp_tasks_per_node": tasks_per_node,
                                              # a sweep job's folder, keyed by its overrides (resumable sweeps)
-                                             "bfexp_job": job_folder}
+                                             "bfexp_job": job_folder,
+                                             # a shaped link's TCP payload rate (scaling=emulated from launcher.link_rate)
+                                             "bfexp_tcp_gbyte_per_s": tcp_goodput}
 
 
 def register_resolvers() -> None:
@@ -605,10 +631,17 @@ def check_cache_folder(value: Any) -> None:
 def validate_scaling(cfg: Any) -> None:
     """The scaling config's figures, the baseline probe and throughput-only mode."""
     sc = cfg.scaling
+    if sc.name == "emulated":  # first: its figures interpolate the launcher's
+        target = str(cfg.launcher.get("_target_", ""))
+        _require(target.endswith(".Emulated"), f"scaling=emulated with launcher={label(cfg.launcher)}; "
+                 "allowed: launcher=emulated (the cluster whose links and quota it prices)")
     for key in ("intra_bandwidth_gbyte_per_s", "inter_bandwidth_gbyte_per_s", "reduce_gbyte_per_s"):
-        number_in(f"scaling.{key}", sc[key], low=0, low_open=True)
-    for key in ("intra_latency_s", "inter_latency_s"):
+        if not (key == "inter_bandwidth_gbyte_per_s" and sc[key] == math.inf):  # inf: an unshaped link
+            number_in(f"scaling.{key}", sc[key], low=0, low_open=True)
+    for key in ("intra_latency_s", "inter_latency_s", "inter_stack_gbyte_per_s"):
         number_in(f"scaling.{key}", sc[key], low=0)
+    if sc.get("cores") is not None:
+        number_in("scaling.cores", sc.cores, low=0, low_open=True)
     number_in("scaling.backward_fraction", sc.backward_fraction, low=0, high=1)
     number_in("scaling.reference_steps", sc.reference_steps, low=1, integer=True)
     number_in("scaling.reference_load_margin", sc.reference_load_margin, low=0)

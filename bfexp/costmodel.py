@@ -11,7 +11,11 @@ A cluster is ``machines x ranks_per_machine`` ranks, rank r on machine
 machine's ranks share one network card, their cross-machine bytes queue on
 it (network-card contention). When ranks are CPU processes that outnumber the
 cores they share (``shares_cores``), every copy and reduction slows down by
-ranks / cores.
+ranks / cores (cores may be a fraction: a CPU quota). Over TCP on CPUs a
+rank also moves every byte it sends or receives across machines through its
+kernel's network stack (``stack``: bytes per second of one core); on the
+emulated cluster's hosts that time adds to the wire time instead of hiding
+under it (scripts/check_costmodel.py measures both).
 
 Step time = compute + the communication that backward does not hide
 (``overlap``), averaged over a local-SGD period (communication every
@@ -94,8 +98,11 @@ class Cluster:
         False when each rank has its own card (e.g. 8 x 400 Gb/s per 8-GPU machine).
     reduce_bytes_per_s: how fast a rank combines received data into its own.
     cores: CPU cores the ranks of one machine share (0: ranks do not share
-        processors, e.g. one GPU each). Copies and reductions slow down by
-        ranks_on_machine / cores when ranks outnumber cores.
+        processors, e.g. one GPU each; a fraction: a CPU quota). Copies, reductions
+        and the network stack's work slow down by ranks_on_machine / cores when
+        ranks outnumber cores.
+    stack_bytes_per_s: how fast one core moves a rank's cross-machine bytes (sent
+        and received) through its network stack; inf: free (RDMA, GPUDirect).
     allreduce: "ring" (one flat ring over all ranks) or "hierarchical"
         (reduce-scatter in each machine, ring across machines, all-gather).
     """
@@ -106,8 +113,9 @@ class Cluster:
     inter: Link
     nic_shared: bool = True
     reduce_bytes_per_s: float = math.inf
-    cores: int = 0
+    cores: float = 0
     allreduce: str = "ring"
+    stack_bytes_per_s: float = math.inf
 
     def local_size(self, n: int) -> int:
         rpm = self.ranks_per_machine
@@ -132,6 +140,12 @@ class Cluster:
     def intra_s(self, nbytes: float, n: int, messages: int = 1) -> float:
         return messages * self.intra.latency_s + self.contention(n) * nbytes / self.intra.bandwidth_bytes_per_s
 
+    def inter_s(self, wire_bytes: float, n: int, stack_bytes: float | None = None, messages: int = 1) -> float:
+        """A cross-machine transfer: ``wire_bytes`` on the busiest direction of the link, and the rank's
+        network stack moving ``stack_bytes`` (what it sends plus what it receives; default: twice the wire's)."""
+        stack = 2 * wire_bytes if stack_bytes is None else stack_bytes
+        return self.inter.time(wire_bytes, messages) + self.contention(n) * stack / self.stack_bytes_per_s
+
 
 # ---------------------------------------------------------------- collectives
 
@@ -141,14 +155,16 @@ def ring_allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
 
     Ranks are ordered by machine, so in every step each machine sends one
     chunk out and receives one in: a step costs the slower of the inside and
-    the cross-machine hop. Each rank reduces (n-1)/n of the vector.
+    the cross-machine hop (with one rank per machine, only the latter). Each
+    rank reduces (n-1)/n of the vector.
     """
     if n <= 1:
         return 0.0
     chunk = nbytes / n
-    step = cluster.intra_s(chunk, n)
+    # with one rank per machine every hop crosses machines: there is no hop inside one
+    step = cluster.intra_s(chunk, n) if cluster.local_size(n) > 1 else 0.0
     if cluster.machines(n) > 1:
-        step = max(step, cluster.inter.time(chunk))
+        step = max(step, cluster.inter_s(chunk, n))
     return 2 * (n - 1) * step + cluster.reduce_s((n - 1) / n * nbytes, n)
 
 
@@ -164,7 +180,8 @@ def hierarchical_allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
     shard = nbytes / local
     inside = 2 * (local - 1) * cluster.intra_s(shard, n)
     rings = local if cluster.nic_shared else 1  # concurrent flows on one card
-    across = 2 * (machines - 1) * cluster.inter.time(rings * shard / machines)
+    # each rank's own stack moves its own ring's chunk, sent and received
+    across = 2 * (machines - 1) * cluster.inter_s(rings * shard / machines, n, 2 * shard / machines)
     reduce = cluster.reduce_s((local - 1) / local * nbytes + (machines - 1) / machines * shard, n)
     return inside + across + reduce
 
@@ -174,9 +191,9 @@ def ring_allgather_s(cluster: Cluster, n: int, nbytes: float) -> float:
     message on (paced by the slower hop, as in the ring allreduce); nothing is reduced."""
     if n <= 1:
         return 0.0
-    step = cluster.intra_s(nbytes, n)
+    step = cluster.intra_s(nbytes, n) if cluster.local_size(n) > 1 else 0.0
     if cluster.machines(n) > 1:
-        step = max(step, cluster.inter.time(nbytes))
+        step = max(step, cluster.inter_s(nbytes, n))
     return (n - 1) * step
 
 
@@ -229,7 +246,7 @@ def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbyte
             across = max(card_out[m], card_in[m]) if (inter_out[r] or inter_in[r]) else 0.0
         else:
             across = max(inter_out[r], inter_in[r])
-        t_across = cluster.inter.time(across) if across else 0.0
+        t_across = cluster.inter_s(across, n, inter_out[r] + inter_in[r]) if across else 0.0
         combine = cluster.reduce_s((in_degree[r] + 1) * nbytes, n) if in_degree[r] else 0.0
         slowest = max(slowest, max(t_inside, t_across) + combine)
     return slowest
@@ -299,13 +316,22 @@ def step_estimate(
     backward_fraction: float = 2 / 3,
     overlap: bool = True,
     period: int = 1,
+    buckets: int = 0,
 ) -> StepEstimate:
     """Compute plus the communication backward does not hide, every ``period`` steps.
 
     With overlap, communication runs during the backward pass
     (``backward_fraction`` of compute) and only what sticks out past it
-    costs time.
+    costs time. ``buckets`` k: the message goes in k equal buckets, bucket j
+    ready j/k of the way through backward, one after another on the link, so
+    the exchange ends max(c/k, c - backward (k-1)/k) after backward (the
+    last bucket always waits for backward's end: one bucket hides nothing);
+    0: as finely cut as it takes, max(0, c - backward).
     """
-    hidden = backward_fraction * compute_s if overlap else 0.0
-    exposed = max(0.0, comm_s - hidden) / max(1, period)
+    backward = backward_fraction * compute_s if overlap else 0.0
+    if buckets >= 1 and overlap:
+        exposed = max(comm_s / buckets, comm_s - backward * (buckets - 1) / buckets)
+    else:
+        exposed = max(0.0, comm_s - backward)
+    exposed /= max(1, period)
     return StepEstimate(compute_s, comm_s, exposed, compute_s + exposed)

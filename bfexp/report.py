@@ -92,8 +92,8 @@ class Job:
 
     @property
     def number(self) -> int | None:
-        """Hydra's job number (the N_ prefix of a sweep subfolder)."""
-        m = re.match(r"(\d+)_", self.name)
+        """Hydra's job number (the N_ prefix of a sweep subfolder, or the whole name: subdir=${hydra.job.num})."""
+        m = re.match(r"(\d+)(?:_|$)", self.name)
         return int(m.group(1)) if m else None
 
 
@@ -339,7 +339,7 @@ def render_table(table: Table, title: str) -> Any:
     """The table for the console (rich): short headers, job numbers, errors cut short."""
     from rich.table import Table as RichTable
 
-    numbered = all(re.match(r"\d+_", r["job"]) for r in table.rows)
+    numbered = all(re.match(r"\d+(?:_|$)", r["job"]) for r in table.rows)
     columns = [c for c in table.columns if c not in TABLE_FIELDS or c in CONSOLE_FIELDS]
     out = RichTable(title=title, title_justify="left")
     for col in columns:

@@ -190,8 +190,16 @@ def load_moved(then: float | None, now: float | None, margin: float) -> bool:
     return abs(float(now) - float(then)) > margin
 
 
-def contention_note(ranks: int, cores: int, on_cpu: bool) -> str | None:
-    """A warning for CPU ranks that outnumber the cores they share, else None."""
+def contention_note(ranks: int, cores: int, on_cpu: bool, quotas: Mapping[str, Any] | None = None) -> str | None:
+    """A warning for CPU ranks that outnumber the cores they share, else None. ``quotas``: the emulated
+    cluster's hosts (all on this machine) and their CPU quota in cores ("none": no quota)."""
+    if quotas:
+        asked = [float(q) for q in quotas.values() if q not in (None, "none")]
+        if len(asked) < len(quotas) or sum(asked) > cores:
+            given = " + ".join(str(q) for q in quotas.values())
+            return (f"the emulated hosts' CPU quotas ({given} cores) exceed this machine's {cores} cores: measured "
+                    f"throughput and scaling efficiency show CPU contention too; give each host less (launcher.cpu)")
+        return None
     if not on_cpu or ranks <= cores:
         return None
     return (
@@ -200,9 +208,21 @@ def contention_note(ranks: int, cores: int, on_cpu: bool) -> str | None:
     )
 
 
-def rank_timing(step_samples: Sequence[float], blocked_samples: Sequence[float]) -> list[float]:
+def cycle_means(samples: Sequence[float], cycle: int) -> list[float]:
+    """Means of consecutive whole runs of ``cycle`` samples (any ``cycle`` consecutive steps of a rule that
+    communicates every ``cycle``-th step hold one communicating step); the samples themselves for 1."""
+    if cycle <= 1:
+        return list(samples)
+    return [sum(samples[i : i + cycle]) / cycle for i in range(0, len(samples) - cycle + 1, cycle)]
+
+
+def rank_timing(step_samples: Sequence[float], blocked_samples: Sequence[float], cycle: int = 1) -> list[float]:
     """One rank's step and blocked times as six numbers to gather, in split_timing's order:
-    the two medians, then the step's interval ends, then the blocked time's."""
+    the two medians, then the step's interval ends, then the blocked time's. ``cycle``: the rule
+    communicates every this many steps (local SGD's H), so the figures are of means over whole
+    cycles (a median of single steps would be of the steps that do not communicate)."""
+    if cycle > 1 and len(step_samples) >= cycle:
+        step_samples, blocked_samples = cycle_means(step_samples, cycle), cycle_means(blocked_samples, cycle)
     step, blocked = spread_of(step_samples), spread_of(blocked_samples)
     return [step.value, blocked.value, step.low, step.high, blocked.low, blocked.high]
 
@@ -258,8 +278,9 @@ def cluster(scaling: Mapping[str, Any], cores: int | None = None) -> costmodel.C
         inter=costmodel.Link(float(scaling["inter_latency_s"]), float(scaling["inter_bandwidth_gbyte_per_s"]) * 1e9),
         nic_shared=bool(scaling["nic_shared"]),
         reduce_bytes_per_s=float(scaling["reduce_gbyte_per_s"]) * 1e9,
-        cores=(cores or processor_count()) if scaling.get("shares_cores", False) else 0,
+        cores=(scaling.get("cores") or cores or processor_count()) if scaling.get("shares_cores", False) else 0,
         allreduce=str(scaling["allreduce"]),
+        stack_bytes_per_s=float(scaling.get("inter_stack_gbyte_per_s") or math.inf) * 1e9,
     )
 
 
@@ -293,11 +314,14 @@ def modeled_figures(
     backward_fraction: float,
     single: Spread,
     compute_source: str,
+    buckets: int = 0,
+    baseline_buckets: int = 0,
 ) -> dict:
     """Step time, throughput, efficiency and speedup the cost model gives on a cluster, each with
     the interval the model gives at the ends of the compute speed's (none for a declared speed).
 
     The baseline is allreduce with its defaults: overlapped with backward, every step.
+    ``buckets``/``baseline_buckets``: how many buckets backward releases the message in (costmodel.step_estimate).
     """
     param_bytes = param_count * element_bytes
     comm = costmodel.communication_s(where, traffic, ranks, param_bytes, topology, element_bytes)
@@ -305,8 +329,10 @@ def modeled_figures(
 
     def at(speed: float) -> dict:
         compute_s = batch / speed
-        own = costmodel.step_estimate(compute_s, comm, backward_fraction=backward_fraction, overlap=overlap, period=period)
-        base = costmodel.step_estimate(compute_s, base_comm, backward_fraction=backward_fraction, overlap=True, period=1)
+        own = costmodel.step_estimate(compute_s, comm, backward_fraction=backward_fraction, overlap=overlap, period=period,
+                                      buckets=buckets)
+        base = costmodel.step_estimate(compute_s, base_comm, backward_fraction=backward_fraction, overlap=True, period=1,
+                                       buckets=baseline_buckets)
         tput, base_tput = own.throughput(ranks, batch), base.throughput(ranks, batch)
         return {
             "step_time_s": own.step_s,

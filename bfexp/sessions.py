@@ -86,6 +86,7 @@ def start_ranks(launcher: Launcher, cfg: Any, run_dir: Path, log: IO[bytes],
                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """The launcher's command starting the job's ranks in a session of its own, its output into ``log``."""
     env = launcher_environment(launcher, int(cfg.ranks), float(cfg.get("timeout_s", 0) or 0)) | (env or {})
+    launcher.prepare(int(cfg.ranks))
     env.update({watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()})
     return subprocess.Popen(launcher_command(launcher, cfg, worker_command(run_dir), env), stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=os.getcwd(),

@@ -9,6 +9,7 @@ import them when asked.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,20 @@ def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, to
         ranks=ranks, batch=int(cfg.batch_size), param_count=param_count, element_bytes=element_bytes,
         topology=topology, backward_fraction=float(cfg.scaling.backward_fraction),
         single=speed, compute_source=source,
+        buckets=bucket_count(algorithm, options, param_count * element_bytes),
+        baseline_buckets=bucket_count(Allreduce, {}, param_count * element_bytes),
     )
+
+
+def bucket_count(algorithm: type, options: dict, param_bytes: int) -> int:
+    """Buckets a rule that sends gradients from backward hooks (``bucketed``) cuts the model into at its
+    bucket_mb (the parameters' boundaries aside); 0 for every other rule (the cost model's finest overlap)."""
+    from bfexp.algorithms.base import BUCKET_MB
+
+    if not getattr(algorithm, "bucketed", False) or not options.get("overlap", True):
+        return 0
+    bucket_bytes = float(options.get("bucket_mb", BUCKET_MB)) * 2**20
+    return max(1, math.ceil(param_bytes / bucket_bytes))
 
 
 def compute_speed(cfg: Any, measured: scaling.Spread | None) -> tuple[scaling.Spread | None, str]:
@@ -111,7 +125,12 @@ def scaling_block(cfg: Any, engine: Any | None, measured: dict | None, modeled: 
         out.update(machine_layout(cfg, engine))
         cores = scaling.processor_count()
         out["cores"] = cores
-        out["contention"] = scaling.contention_note(engine.size, cores, engine.device_type == "cpu")
+        facts = {} if engine.virtual else launcher_of(cfg).facts(engine.size)
+        out.update(facts)
+        # the ranks that share one machine's cores: across machines, those of a machine
+        sharing = engine.local_size if engine.machines > 1 else engine.size
+        out["contention"] = scaling.contention_note(sharing, cores, engine.device_type == "cpu",
+                                                    (facts.get("emulated_cluster") or {}).get("cpu_per_host"))
     else:
         out["contention"] = None
     return out

@@ -496,7 +496,11 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
     rank calls it; rank 0 gets the full dict (the others get the measured part). ``stop()``
     (collective): whether the job was asked to stop meanwhile, which cuts the baseline probe short."""
     n = engine.size
-    timing = scaling.split_timing(*gather_floats(engine, *scaling.rank_timing(timer.step_samples, timer.blocked_samples)))
+    # a rule that communicates every H steps: timed over whole cycles (one rank communicates nothing, and is
+    # its own reference at single steps)
+    cycle = int(getattr(job.optimizer, "step_cycle", 1)) if n > 1 else 1
+    timing = scaling.split_timing(*gather_floats(engine, *scaling.rank_timing(timer.step_samples, timer.blocked_samples,
+                                                                              cycle)))
     probe_sampler = (StackedSampler(job.data, cfg.batch_size, cfg.seed + 1) if isinstance(job.data, StackedData)
                      else BatchSampler(job.data, cfg.batch_size, cfg.seed + 1, engine.rank))
 

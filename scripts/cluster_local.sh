@@ -50,12 +50,16 @@ cgroup_root() {
     fi
 }
 
+# CFS period of a host's quota: short, so that a host that spent its share waits milliseconds, not tens of them
+# (with the default 100 ms, a rank at 0.4 cores could stall 60 ms in the middle of a step).
+PERIOD_US=10000
+
 set_cpu() {  # HOST FRACTION|none
-    local dir period=100000 quota
+    local dir period=$PERIOD_US quota
     dir="$(cgroup_root)/$1"
     [ -d "$dir" ] || die "no cpu cgroup for $1 (this machine has no cpu controller)"
     if [ "$2" = none ]; then quota=-1; else
-        quota=$(awk -v f="$2" 'BEGIN { if (f + 0 <= 0) exit 1; printf "%d", f * 100000 }') \
+        quota=$(awk -v f="$2" -v p="$period" 'BEGIN { if (f + 0 <= 0) exit 1; printf "%d", f * p }') \
             || die "--cpu $2; allowed: a positive number of cores, e.g. 0.4, or none"
     fi
     if [ -f "$dir/cpu.cfs_quota_us" ]; then
@@ -73,7 +77,7 @@ set_rate() {  # HOST RATE|none: HTB on the host's interface and on its switch po
         ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
         if [ "$rate" != none ]; then
             ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: htb default 10
-            ip netns exec "$ns" tc class add dev "$dev" parent 1: classid 1:10 htb rate "$rate" \
+            ip netns exec "$ns" tc class add dev "$dev" parent 1: classid 1:10 htb rate "$rate" quantum 60000 \
                 || { echo "cluster_local.sh: --rate $rate; allowed: a tc rate such as 1gbit, 200mbit" >&2; return 2; }
         fi
     done
@@ -281,6 +285,11 @@ up() {
         mkdir -p "$STATE"
         mountpoint -q "$STATE" || { mount --bind "$STATE" "$STATE"; mount --make-private "$STATE"; }
         mkdir -p "$STATE/uts" "$STATE/mnt" "$STATE/ssh" "$STATE/etc" "$STATE/tmp" "$STATE/run" "$(cgroup_root)"
+        # The hosts get their quota even while the rest of this machine is busy (a quota alone is only a
+        # ceiling): their group outweighs everything outside it.
+        if [ -f "$(cgroup_root)/cpu.shares" ]; then echo 262144 >"$(cgroup_root)/cpu.shares"
+        elif [ -f "$(cgroup_root)/cpu.weight" ]; then echo 10000 >"$(cgroup_root)/cpu.weight"; fi
+        echo "$REPO/scripts/cluster_local.sh" >"$STATE/tool"  # how bfexp reshapes the links between jobs
         mkdir -p /run/sshd  # sshd's privilege separation folder
         ssh-keygen -q -t ed25519 -N '' -f "$STATE/ssh/id_ed25519" -C bfexp-cluster
         ssh-keygen -q -t ed25519 -N '' -f "$STATE/ssh/host_ed25519" -C bfexp-cluster-host

@@ -47,6 +47,9 @@ EXTRA: dict[tuple[str, str], list[str]] = {
 UNAVAILABLE: dict[tuple[str, str], str] = {}
 if not os.environ.get("SLURM_JOB_ID"):
     UNAVAILABLE[("launcher", "srun")] = "launcher=srun runs inside a Slurm allocation (tests/test_slurm.py runs it)"
+# The emulated cluster's: its jobs run in a folder every host sees (not this machine's /tmp) while it is up.
+UNAVAILABLE[("launcher", "emulated")] = "launcher=emulated runs on the emulated cluster (tests/test_bandwidth_study.py)"
+UNAVAILABLE[("scaling", "emulated")] = "scaling=emulated prices launcher=emulated's jobs (tests/test_bandwidth_study.py)"
 if importlib.util.find_spec("wandb") is None:
     UNAVAILABLE[("logger", "wandb")] = "wandb is an optional extra: pip install 'bfexp[wandb]'"
 if importlib.util.find_spec("tensorboard") is None:

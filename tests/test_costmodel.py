@@ -179,12 +179,54 @@ def test_overlap_and_local_sgd_period():
     assert close(est.throughput(8, 32), 8 * 32 / 0.13)
 
 
+def test_buckets_backward_releases_hide_what_they_can():
+    # backward 60 ms, communication 100 ms. One bucket waits for the end of backward: all 100 ms show.
+    assert close(costmodel.step_estimate(0.09, 0.1, buckets=1).exposed_comm_s, 0.1)
+    # 4 buckets of 25 ms, ready at 15, 30, 45, 60 ms: the link is busy from 15 ms to 115 ms, 55 ms past backward
+    assert close(costmodel.step_estimate(0.09, 0.1, buckets=4).exposed_comm_s, 0.1 - 0.06 * 3 / 4)
+    # 4 buckets of 5 ms each: the last one, ready at 60 ms, still takes its 5 ms after backward
+    assert close(costmodel.step_estimate(0.09, 0.02, buckets=4).exposed_comm_s, 0.005)
+    # without overlap the buckets change nothing
+    assert close(costmodel.step_estimate(0.09, 0.1, overlap=False, buckets=4).exposed_comm_s, 0.1)
+
+
 def test_ranks_sharing_cores_slow_copies_and_reductions():
     # 4 ranks on 2 cores: bandwidth and reduce terms twice as slow, latency unchanged
     n = 4
     expected = 6 * (1e-5 + 2 * 250_000 / 1e10) + 2 * 0.75 * M / R
     assert close(costmodel.ring_allreduce_s(make(reduce=R, cores=2), n, M), expected)
     assert close(costmodel.ring_allreduce_s(make(reduce=R, cores=8), n, M), costmodel.ring_allreduce_s(make(reduce=R), n, M))
+
+
+S = 5e8  # a network stack that moves 0.5 GB/s a core
+
+
+def one_per_machine(cores=0.0, stack=S):
+    return Cluster("hosts", 1, Link(A_IN, B_IN), Link(A_OUT, B_OUT), True, R, cores, "ring", stack)
+
+
+def test_one_rank_per_machine_ring_has_no_hop_inside_a_machine_and_pays_the_stack():
+    # 4 machines x 1 rank: 6 steps, each a cross-machine chunk of M/4 on the wire, the rank's stack moving the
+    # chunk it sends and the one it receives; no shared-memory hop at all
+    n, chunk = 4, 250_000
+    expected = 6 * (1e-4 + chunk / 1e9 + 2 * chunk / S) + 0.75 * M / R
+    assert close(costmodel.ring_allreduce_s(one_per_machine(), n, M), expected)
+    # a quota of 0.4 cores slows the stack and the reduction by 1 / 0.4, not the wire
+    expected = 6 * (1e-4 + chunk / 1e9 + 2.5 * 2 * chunk / S) + 2.5 * 0.75 * M / R
+    assert close(costmodel.ring_allreduce_s(one_per_machine(cores=0.4), n, M), expected)
+    # no stack cost: the ring of before
+    free = one_per_machine(stack=math.inf)
+    assert close(costmodel.ring_allreduce_s(free, n, M), 6 * (1e-4 + chunk / 1e9) + 0.75 * M / R)
+
+
+def test_an_exchange_pays_the_stack_for_what_a_rank_sends_and_receives():
+    # static exp2 on 4 machines: each rank sends M to 2 peers and receives M from 2; the card's busier direction
+    # carries 2M, the stack moves 4M, then the rank combines 3 vectors
+    expected = 1e-4 + 2 * M / 1e9 + 4 * M / S + 3 * M / R
+    assert close(costmodel.exchange_s(one_per_machine(), 4, costmodel.topology_edges(Exp2(4), 0), M), expected)
+    # one-peer exp2: M out, M in
+    expected = 1e-4 + M / 1e9 + 2 * M / S + 2 * M / R
+    assert close(costmodel.exchange_s(one_per_machine(), 4, costmodel.topology_edges(OnePeerExp2(4), 0), M), expected)
 
 
 def test_bad_layouts_are_refused():

@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -93,9 +94,17 @@ def test_every_study_has_a_recipe_and_a_sweep():
 
 # Studies whose SMALL form still costs more CPU than make test's budget allows (.ci/run runs them).
 LARGE = {"lm_diloco"}  # 3 jobs of 8 ranks on a transformer: 17 s of CPU even at 50 steps
+# Studies on the emulated cluster: their own test runs them small where it is up.
+ELSEWHERE = {"bandwidth_study": "on the emulated cluster: tests/test_bandwidth_study.py runs it small"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.large) if n in LARGE else n for n in EXPERIMENTS])
+def study_param(name: str) -> Any:
+    if name in ELSEWHERE:
+        return pytest.param(name, marks=pytest.mark.skip(reason=ELSEWHERE[name]))
+    return pytest.param(name, marks=pytest.mark.large) if name in LARGE else name
+
+
+@pytest.mark.parametrize("name", [study_param(n) for n in EXPERIMENTS])
 def test_study_runs_every_job_of_its_sweep(studies, name):
     """One command runs the whole grid; every job completes; the report lands in the sweep folder."""
     sweep = studies(name)
@@ -115,7 +124,7 @@ def by_point(summaries: list[dict]) -> dict[tuple[int, int, str], dict]:
 
 def test_resnet50_scaling_claim(studies):
     """recipes/resnet50_scaling: on machines sharing one 25 Gb/s card, DSGD over inner-outer
-    exp2 beats allreduce 1.5-1.9x from 16 to 128 GPUs, its lead grows with ranks and with
+    exp2 beats allreduce 1.45-1.84x from 16 to 128 GPUs, its lead grows with ranks and with
     smaller batches, and one-peer exp2 (machine-blind) loses to allreduce."""
     sweep = studies("resnet50_scaling")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
@@ -128,19 +137,19 @@ def test_resnet50_scaling_claim(studies):
     for batch in batches:
         inner_outer = [points[batch, n, "inner_outer_exp2"]["speedup_vs_baseline"] for n in ranks]
         one_peer = [points[batch, n, "one_peer_exp2"]["speedup_vs_baseline"] for n in ranks]
-        assert all(1.5 <= x < 2.0 for x in inner_outer), (batch, inner_outer)
+        assert all(1.4 <= x < 1.9 for x in inner_outer), (batch, inner_outer)
         assert all(x < 0.6 for x in one_peer), (batch, one_peer)
         assert inner_outer == sorted(inner_outer) and len(set(inner_outer)) == len(ranks), inner_outer
         for n in ranks:
             io, op = points[batch, n, "inner_outer_exp2"], points[batch, n, "one_peer_exp2"]
             assert io["throughput_samples_per_s"] > io["baseline_throughput_samples_per_s"] > op["throughput_samples_per_s"]
-            # at batch 64 the 33 ms exchange hides entirely behind the 36 ms backward
+            # at batch 64 the 36 ms backward hides 3 of the 33 ms exchange's 4 buckets: the last one's 8 ms shows
             if batch == 64:
-                assert io["scaling_efficiency"] == pytest.approx(1.0)
+                assert io["scaling_efficiency"] == pytest.approx(53.3 / (53.3 + 33.3 / 4), rel=0.01)
             else:
                 assert io["scaling_efficiency"] < 0.7
-            # allreduce's efficiency barely moves with n: about 0.6 at batch 64, 0.35 at 32
-            assert (0.55 if batch == 64 else 0.3) < io["baseline_scaling_efficiency"] < (0.7 if batch == 64 else 0.4)
+            # allreduce's efficiency barely moves with n: 0.54-0.6 at batch 64, 0.31-0.35 at 32
+            assert (0.5 if batch == 64 else 0.3) < io["baseline_scaling_efficiency"] < (0.65 if batch == 64 else 0.4)
     for n in ranks:  # smaller batches: communication matters more, decentralized exchange pays more
         assert points[32, n, "inner_outer_exp2"]["speedup_vs_baseline"] > points[64, n, "inner_outer_exp2"]["speedup_vs_baseline"]
 
@@ -194,8 +203,8 @@ def test_resnet50_scaling_baseline_columns_are_the_allreduce_jobs(studies, tmp_p
     for s in sweep.summaries:
         assert s["status"] == "completed" and s["algorithm"] == "allreduce"
         assert s["speedup_vs_baseline"] == pytest.approx(1.0)
-        if s["ranks"] == 8:  # one machine: NVLink, hidden behind backward
-            assert s["scaling_efficiency"] == pytest.approx(1.0)
+        if s["ranks"] == 8:  # one machine: NVLink; the last of 4 buckets shows after backward
+            assert 0.98 < s["scaling_efficiency"] < 1.0
             continue
         dsgd = points[32, s["ranks"], "inner_outer_exp2"]
         assert s["throughput_samples_per_s"] == pytest.approx(dsgd["baseline_throughput_samples_per_s"], rel=1e-9)

@@ -9,6 +9,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,14 @@ def sweep(tmp_path):
 def read_csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def test_job_numbers_of_both_folder_forms():
+    # Hydra's default subdir N_overrides, and a study's subdir=${hydra.job.num}: 10 sorts after 2 in both
+    from bfexp.report import Job
+
+    numbers = [Job(Path(n), n, {}, [], {}).number for n in ("10_lr=0.1", "2", "10", "lr=0.1", "3x")]
+    assert numbers == [10, 2, 10, None, None]
 
 
 def test_csv_has_one_row_per_job_with_swept_values_and_new_figures(sweep):

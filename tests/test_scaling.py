@@ -42,6 +42,17 @@ def test_split_timing_by_hand():
     assert got["compute_time_s"] + got["comm_time_s"] + got["wait_time_s"] == pytest.approx(got["step_time_s"])
 
 
+def test_a_rule_that_communicates_every_h_steps_is_timed_over_whole_cycles():
+    # local SGD with H = 3: two quiet steps of 10 ms, then one of 40 ms that communicates (blocked 30 ms)
+    steps = [0.01, 0.01, 0.04] * 4 + [0.01]
+    blocked = [0.0, 0.0, 0.03] * 4 + [0.0]
+    assert scaling.cycle_means(steps, 3) == pytest.approx([0.02] * 4)  # the trailing partial cycle is left out
+    step, block = scaling.rank_timing(steps, blocked, cycle=3)[:2]
+    assert step == pytest.approx(0.02) and block == pytest.approx(0.01)
+    # a median of single steps would have said 10 ms and nothing blocked
+    assert scaling.rank_timing(steps, blocked)[:2] == [0.01, 0.0]
+
+
 def test_split_timing_intervals_by_hand():
     # two ranks: (median, low, high) of step and of blocked time
     got = scaling.split_timing([0.10, 0.12], [0.01, 0.03], [0.09, 0.11], [0.12, 0.15], [0.005, 0.02], [0.02, 0.04])

@@ -14,6 +14,7 @@ iteration of rank i is
     in step():       x_i <- x_i - a grad f_i(z_i)
                      slot_k(i) += a_ki (x_i, w_i) for out-neighbors k  (win_accumulate, no waiting)
                      (x_i, w_i) <- a_ii (x_i, w_i)
+                     (x_i, w_i) += sum_j slot_i(j); slots <- 0; z_i = x_i / w_i   (the model after step())
 
 whenever it gets there: no rank waits for another, a slow rank's pushes are
 simply folded in later (Assran & Rabbat, "Asynchronous Gradient-Push",
@@ -106,6 +107,10 @@ class AsyncPushSum(AsynchronousOptimizer):
     def begin_iteration(self) -> None:
         """Fold in what arrived since the last fold, and de-bias: the forward pass sees z = x / w."""
         self._wait_pending()
+        self._fold()
+
+    def _fold(self) -> None:
+        """(x, w) += what arrived, slots emptied; the model := z = x / w."""
         self.wait(self.engine.iwin_update(self.window, 1.0, self._srcs, reset=True))
         with self.engine.win_lock(self.window):
             if self.x.device == self.flat.device:
@@ -127,6 +132,9 @@ class AsyncPushSum(AsynchronousOptimizer):
         # A yield point (no time passes): on virtual ranks in simulated time, every rank whose clock is
         # here pushes before any of them folds (equal step times then give synchronous push-sum's iterates).
         self.engine.advance(0.0)
+        # After step() the model holds this step's iterate, what has arrived folded in, as every synchronous
+        # rule's model does (virtual ranks at equal clocks, or a user's script in turns: synchronous push-sum's).
+        self._fold()
 
     def _wait_pending(self) -> None:
         for handle in self._pending:

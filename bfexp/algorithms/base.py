@@ -152,6 +152,10 @@ def _building(init: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
+# Gradient buckets of bucketed rules: at most this many MiB each (the default of every rule's bucket_mb).
+BUCKET_MB = 25.0
+
+
 class DecentralizedOptimizer(torch.optim.Optimizer):
     """step() = the local update plus the communication the rule needs.
 
@@ -238,7 +242,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         model: torch.nn.Module | None = None,
         communication_period: int = 1,
         overlap: bool = True,
-        bucket_mb: float = 25.0,
+        bucket_mb: float = BUCKET_MB,
         global_average_every: int = 0,
     ) -> None:
         """Wrap ``optimizer``; the model's parameters become views of one flat buffer (``self.flat``).
@@ -383,6 +387,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         ignore it (and so never wait for a GPU to produce it)."""
 
     # shared pieces -------------------------------------------------------
+    @property
+    def step_cycle(self) -> int:
+        """Steps after which the pattern of communication repeats (H local steps; H x G with Gossip-PGA's
+        global averages): a step time that stands for the job is a mean over whole cycles."""
+        return self.communication_period * max(1, self.global_average_every)
+
     def communicates_now(self, iteration: int | None = None) -> bool:
         """Local SGD: exchange only on every `communication_period`-th iteration."""
         k = self.iteration if iteration is None else iteration

@@ -18,6 +18,7 @@ ops, handles, windows), utility (parameter and optimizer-state helpers),
 optimizers (the wrappers), topology_util (graphs and dynamic schedules).
 """
 
+from bfexp.api import advance, clock_s  # bfexp's, not BlueFog's: a rank's (simulated) time, docs "Coming from BlueFog"
 from bfexp.bluefog import topology_util
 from bfexp.bluefog.ops import (
     allgather,

@@ -441,9 +441,10 @@ class _WinPut(_Wrapper):
             return
         self._since += 1
         if self._since == self._J:
-            for p in self._params:
-                self._handles[id(p)] = ops.win_put_nonblocking(p.data, self._windows[id(p)],
-                                                               dst_weights=self.dst_weights)
+            with self._engine.one_turn():  # virtual ranks: one turn for all the parameters' puts
+                for p in self._params:
+                    self._handles[id(p)] = ops.win_put_nonblocking(p.data, self._windows[id(p)],
+                                                                   dst_weights=self.dst_weights)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Wait for the puts, average with the in-neighbor slots (win_update), then the local step."""
@@ -451,9 +452,10 @@ class _WinPut(_Wrapper):
         if self.force_barrier:
             ops.barrier()
         if self._handles:
-            for p in self._params:
-                ops.win_wait(self._handles.pop(id(p)))
-                ops.win_update(self._windows[id(p)])
+            with self._engine.one_turn():
+                for p in self._params:
+                    ops.win_wait(self._handles.pop(id(p)))
+                    ops.win_update(self._windows[id(p)])
             self._since = 0
         return _LocalOptimizer(self, self._base).step(closure)
 

@@ -124,7 +124,7 @@ import atexit
 import functools
 import sys
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Sequence, Union
 
@@ -1148,6 +1148,11 @@ class Engine(abc.ABC):
         self._check_window_targets(w, list(src), w.srcs, "sources", "win_update")
         pending = self._run_window_op(w, lambda: self._win_update(w, float(self_weight), src, reset))
         return self._track("win_update", 0, started, *pending, window=name)
+
+    def one_turn(self) -> AbstractContextManager:
+        """Several window ops as one: where a user's virtual ranks take turns at each window op
+        (bfexp.comm.threads), the rank hands its turn on once, at the end; elsewhere nothing."""
+        return nullcontext()
 
     def win_lock(self, name: str) -> AbstractContextManager:
         """Hold this rank's window memory exclusively (peers' ops wait): a local change of the own value."""

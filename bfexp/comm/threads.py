@@ -26,12 +26,19 @@ A user's own script (bfexp.api.spawn, ``bfexp-run --engine threads``) also
 uses process-global state that MPI ranks each have alone: torch's default
 generator (``torch.manual_seed``, dropout, a shuffling DataLoader), numpy's
 and Python's global RNGs. ``ThreadWorld(one_at_a_time=True)`` runs one
-rank thread at a time from the start, and a rank hands its turn on only
-where it waits for other ranks (or moves its simulated clock), saving the
-three RNG states when it hands on and restoring its own when it gets the
-turn back. Between two communication calls a rank therefore draws from its
-own streams exactly as an MPI process does, whatever the interleaving, so
-the same seed gives MPI's numbers.
+rank thread at a time from the start, and a rank hands its turn on where it
+waits for other ranks, moves its simulated clock, or has run a window op,
+saving the three RNG states when it hands on and restoring its own when it
+gets the turn back. Between two communication calls a rank therefore draws
+from its own streams exactly as an MPI process does, whatever the
+interleaving, so the same seed gives MPI's numbers where the order of
+operations is MPI's (collectives, neighbor ops). Window ops never wait, so
+without the hand-over at each of them one rank would run a whole
+asynchronous loop (BlueFog's push-sum consensus, its win-put optimizer)
+before the next one started: a script's ranks instead take one window op
+each in turn (a zero-time ``advance``: clock order, then first come), the
+interleaving of MPI ranks that run at one speed. Where a script moves its
+clocks (``bfexp.advance``), the earliest clock goes next.
 
 Virtual ranks keep simulated time (bfexp.comm.rendezvous): ``clock_s`` is
 the rank's own clock, ``advance(s)`` moves it on instead of sleeping, and
@@ -142,6 +149,8 @@ class ThreadWorld(Rendezvous):
         self.timeline_dir = timeline_dir
         # Each rank's torch, numpy and Python global RNG states while another rank has the turn (module doc).
         self._rng_states: dict[int, tuple[Any, Any, Any]] = {}
+        # A user's script: every window op hands the turn on (module doc), so ranks interleave as MPI's do.
+        self.window_turns = one_at_a_time
         if one_at_a_time:  # a user's script: one rank thread at a time from the start, each with fresh RNGs
             self._rng_states = {r: _fresh_rng_states() for r in range(size)}
             with self.lock:
@@ -347,6 +356,7 @@ class ThreadsEngine(Engine):
                              "per machine)")
         self.world = world
         self._rank = rank
+        self._one_turn: int | None = None  # inside one_turn(): how many window ops have run (their turn deferred)
         self._local_size = world.local_size
         # How many collectives (per group) and exchanges this rank has issued:
         # every rank issues operations in one order, so the numbers pair calls up.
@@ -558,6 +568,30 @@ class ThreadsEngine(Engine):
         with source.exclusive():
             into.copy_(source.own)
             return source.weight
+
+    def _run_window_op(self, window: Window, work: Callable[[], Any]) -> Pending:
+        """Run a window op's work now; in a user's script, then hand the turn on (a zero-time ``advance``:
+        the rank with the earliest clock goes next, at equal clocks the one that has waited longest)."""
+        result = work()
+        if self._one_turn is not None:
+            self._one_turn += 1
+        elif self.world.window_turns and self.size > 1:
+            self.world.advance(self._rank, 0.0)
+        return (lambda: result), None
+
+    @contextlib.contextmanager
+    def one_turn(self) -> Iterator[None]:
+        """The window ops inside hand the turn on once, at the end (an optimizer's ops on each parameter)."""
+        if self._one_turn is not None:  # nested: the outer block hands on
+            yield
+            return
+        self._one_turn = 0
+        try:
+            yield
+        finally:
+            ops, self._one_turn = self._one_turn, None
+        if ops and self.world.window_turns and self.size > 1:
+            self.world.advance(self._rank, 0.0)
 
     def _win_swap(self, window: Window, peer: int, change: Callable[[torch.Tensor], None]) -> None:
         target = self.world.window(window.name, peer)

@@ -3,8 +3,9 @@ answers). conf/launcher/<name>.yaml names its class with ``_target_``; a user's 
 a site's wrapper) is one class and one YAML of theirs."""
 
 from bfexp.launchers.base import TIMEOUT_VARIABLE, Launcher, find_mpiexec, processor_slots
+from bfexp.launchers.emulated import Emulated
 from bfexp.launchers.local import Local
 from bfexp.launchers.mpirun import Mpirun
 from bfexp.launchers.srun import Srun
 
-__all__ = ["TIMEOUT_VARIABLE", "Launcher", "Local", "Mpirun", "Srun", "find_mpiexec", "processor_slots"]
+__all__ = ["TIMEOUT_VARIABLE", "Emulated", "Launcher", "Local", "Mpirun", "Srun", "find_mpiexec", "processor_slots"]

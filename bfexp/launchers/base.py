@@ -13,6 +13,7 @@ supervises whatever it started:
   or cluster must offer (an executable, hosts that answer, an allocation):
   LaunchError (exit 3) when it does not, ConfigError when the input asks for
   more than the launcher's own settings give (ranks beyond the slots);
+  ``prepare(ranks)`` then sets the machines up right before the ranks start;
 * ``hosts(ranks)``: the machines the ranks land on, with how many each;
 * ``forward_environment(env)``: the arguments that carry the ranks' environment to other machines
   (mpirun passes only what ``-x`` names; srun passes all of it);
@@ -111,6 +112,10 @@ class Launcher:
     def check(self, ranks: int) -> None:
         """Preflight, before any rank starts (see the module doc)."""
 
+    def prepare(self, ranks: int) -> None:
+        """Right before the ranks start (after ``check``): make the machines what the job asked for (the
+        emulated cluster: its links' rate and CPU quota). Nothing here."""
+
     def forward_environment(self, env: dict[str, str]) -> list[str]:
         """Launcher arguments that give ranks on other machines the environment ``env`` gives local ones
         (none: the launcher passes it whole, or starts every rank here)."""
@@ -123,6 +128,16 @@ class Launcher:
 
     def clean_up(self, ranks: int) -> None:
         """After a job that failed: remove what the launcher's own daemons leave when they are killed."""
+
+    def cpu_quotas(self, ranks: int) -> dict[str, float | str] | None:
+        """Machines that are CPU quotas of this one (the emulated cluster's hosts) -> cores each ("none": no
+        quota); None where the ranks' machines are machines of their own."""
+        return None
+
+    def facts(self, ranks: int) -> dict:
+        """What the job's summary records about where its ranks ran, beyond the machines the ranks detect
+        (none here; the emulated cluster: each host's link rate and CPU quota)."""
+        return {}
 
     def hosts(self, ranks: int) -> list[tuple[str, int]]:
         """(machine, ranks it gets) for each machine the ranks land on."""

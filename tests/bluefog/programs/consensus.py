@@ -54,12 +54,13 @@ for _ in range(30):
     x = bf.hierarchical_neighbor_allreduce(x)
 errors["hierarchical"] = error(x)
 
-# Asynchronous push-sum: win_accumulate with the associated weight p, no barrier in the loop.
+# Asynchronous push-sum: win_accumulate with the associated weight p, no barrier in the loop (BlueFog's
+# example's asynchronous mode): one barrier at the end, so every push has landed, a last collect, then x / p.
 outs = bf.out_neighbor_ranks()
 bf.turn_on_win_ops_with_associated_p()
 x = start(me)
 bf.win_create(x, name="x", zero_init=True)
-for i in range(30):
+for i in range(100):
     w = 1.0 / (len(outs) + 1)
     bf.win_accumulate(x, name="x", self_weight=w, dst_weights={r: w for r in outs}, require_mutex=True)
     bf.win_update_then_collect(name="x")
@@ -67,12 +68,6 @@ bf.barrier()
 bf.win_update_then_collect(name="x")
 mass = bf.allreduce(x, average=False)  # nothing lost in flight: sum of x stays sum of the starts
 p_total = bf.allreduce(torch.tensor([bf.win_associated_p("x")], dtype=torch.float64), average=False)
-for i in range(40):  # then synchronous rounds drive x / p to the exact average
-    w = 1.0 / (len(outs) + 1)
-    bf.win_accumulate(x, name="x", self_weight=w, dst_weights={r: w for r in outs})
-    bf.barrier()
-    bf.win_update_then_collect(name="x")
-    bf.barrier()
 errors["push_sum_accumulate"] = error(x / bf.win_associated_p("x"))
 errors["push_sum_mass"] = (mass - n * x_bar).abs().max().item()
 errors["push_sum_p_total"] = abs(p_total.item() - n)
