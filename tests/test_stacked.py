@@ -334,7 +334,7 @@ def train_both(tmp_path, overrides: list[str], ranks: int = 4, steps: int = STEP
     return (want - stacked.parameters).abs().max(), threads[0].summary, stacked.summary
 
 
-@pytest.mark.large  # 4-8 s here (both engines' whole loop); make test's headline sweep runs stacked jobs
+@pytest.mark.large  # 4-8 s here (both engines' whole loop); test_config_options runs engine=stacked small in make test
 @pytest.mark.parametrize("case", list(TRAINING))
 def test_training_equals_threads(tmp_path, case):
     """50 steps of the worker's loop, mlp on digits: parameters to 1e-12; the summary's figures agree."""
