@@ -197,6 +197,10 @@ def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> DryBuild:
     check_optimizer_options(optimizer_options)
     guarded("optimizer", optimizer_target,
             lambda: build(cfg.optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
+    if not modeled and engine.stacked:  # what one batched program cannot hold: its optimizer, model, options
+        from bfexp.comm.stacked import check_job
+
+        check_job(cfg, fed[0], fed[1])
     if cfg.get("heterogeneity") is not None:  # stragglers: the constructor checks the ranges
         build(cfg.heterogeneity, "heterogeneity")
     if modeled and not declared_speed(cfg.scaling, label(cfg.model)):

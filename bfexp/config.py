@@ -56,7 +56,7 @@ RUNTIME: dict[str, tuple[str, ...]] = {
     "heterogeneity": (),
     "launcher": (),
     # a virtual rank's world and number; an MPI engine's communicator and whether $BFEXP_TIMELINE traces it
-    "engine": ("world", "rank", "comm", "timeline_from_env"),
+    "engine": ("world", "rank", "comm", "timeline_from_env", "size"),
     "logger": (),
 }
 Dtype = Literal["float32", "float64", "float16", "bfloat16"]

@@ -252,11 +252,19 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     from bfexp.errors import RankAborted
     from bfexp.worker import run
 
+    from bfexp.comm import engine_class
+
     tail = budget.metrics_tail(cfg, run_dir)
     timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
-    engine = config.build({**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}, "engine")  # (world, rank)
-    world = ThreadWorld(cfg.ranks, cfg.engine.ranks_per_machine, timeline_dir=timeline_dir, engine=engine)
-    watch_ranks = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: live_heartbeats(run_dir), processes=False)
+    node = {**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}
+    # engine=stacked: ONE thread runs every rank as one batched program (bfexp.comm.stacked), supervised as a
+    # world of one virtual rank; its engine holds the job's ranks.
+    stacked = engine_class(cfg.engine.name).stacked
+    threads = 1 if stacked else int(cfg.ranks)
+    engine = config.build(node, "engine", **({"size": int(cfg.ranks)} if stacked else {}))  # (world, rank)
+    world = ThreadWorld(threads, 0 if stacked else cfg.engine.ranks_per_machine, timeline_dir=timeline_dir,
+                        engine=engine)
+    watch_ranks = Watchdog(float(cfg.timeout_s), threads, lambda: live_heartbeats(run_dir), processes=False)
 
     def rank_main(engine: Any) -> dict:  # every rank reads the config the driver wrote, as an MPI rank does
         return run(OmegaConf.load(run_dir / results.CONFIG), engine, run_dir)
@@ -268,7 +276,9 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
 
     started, reason = time.monotonic(), None
     saved_threads = torch.get_num_threads()
-    torch.set_num_threads(intra_op_threads(cfg.ranks))  # process-wide: set once, here
+    # process-wide: set once, here. engine=stacked: one torch thread; its ops are many small batched
+    # kernels, which two threads on this shared 2-core machine ran 3-5x slower than one (128 ranks).
+    torch.set_num_threads(1 if stacked else intra_op_threads(threads))
     try:
         with SIGNALS.job() as signals, routed_output(run_dir / results.LOGS_DIR):
             ending = Ending(cfg, run_dir, watch_ranks, signals)

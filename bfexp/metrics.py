@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +18,19 @@ from bfexp.comm.engine import Engine
 
 
 def consensus_distance(engine: Engine, flat: torch.Tensor) -> float:
-    """(1/n) sum_i ||x_i - x_mean||^2: how far the ranks' models are from agreeing."""
+    """(1/n) sum_i ||x_i - x_mean||^2: how far the ranks' models are from agreeing (a stacked flat buffer,
+    bfexp.comm.stacked, holds every rank's model along its last dimension: the sum runs down dim 0)."""
     x = flat.detach().to(torch.float64)
     mean = engine.allreduce(x, op="avg")
-    local = torch.sum((x - mean) ** 2).reshape(1)
-    return float(engine.allreduce(local, op="avg").item())
+    local = torch.sum((x - mean) ** 2, dim=0, keepdim=True)
+    return float(engine.allreduce(local, op="avg").reshape(-1)[0])
+
+
+def rank_value(value: torch.Tensor) -> float | torch.Tensor:
+    """A rank's figure as the metrics below take it: a float, or on a stacked engine (a tensor of one
+    value per rank) every rank's, as float64."""
+    value = value.detach()
+    return float(value) if value.dim() == 0 else value.to(torch.float64)
 
 
 def model_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -37,11 +46,14 @@ def cross_entropy(scores: torch.Tensor, y: torch.Tensor, reduction: str = "mean"
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> tuple[float, float]:
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> tuple[Any, Any]:
     """(mean loss, accuracy) of one rank's model on the held-out set, ``batch`` samples at a time
     (a chunk whose activations stay in cache: the cnn's 2000-sample evaluation takes 0.10 s in
     chunks of 256 and 0.25 s in one of 4096 here, 2 threads; an MLP's is the same either way).
-    A language model's are per token: the mean token cross-entropy and next-token accuracy."""
+    A language model's are per token: the mean token cross-entropy and next-token accuracy.
+    A stacked model (bfexp.comm.stacked) gives every rank's, as tensors over ranks."""
+    if hasattr(model, "forward_shared"):
+        return model.evaluate(x, y, batch)
     was_training = model.training
     model.eval()
     loss, correct = 0.0, 0
@@ -68,6 +80,8 @@ def gather_floats(engine: Engine, *values: float) -> list[list[float]]:
     import math
 
     n, k = engine.size, len(values)
+    if getattr(engine, "stacked", False):  # one engine holds every rank: a value is every rank's (a tensor) or the same on all
+        return [torch.as_tensor(v, dtype=torch.float64).expand(n).tolist() for v in values]
     table = torch.zeros(k, n, dtype=torch.float64)
     finite = torch.zeros(k, n, dtype=torch.float64)
     table[:, engine.rank] = torch.tensor([v if math.isfinite(v) else 0.0 for v in values], dtype=torch.float64)
@@ -79,7 +93,11 @@ def gather_floats(engine: Engine, *values: float) -> list[list[float]]:
 
 
 def global_mean(engine: Engine, *values: float) -> list[float]:
-    """Average of each value over ranks, in one message."""
+    """Average of each value over ranks, in one message (stacked: a value per rank as a tensor over ranks,
+    or a float that every rank has)."""
+    if getattr(engine, "stacked", False):
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).expand(engine.size) for v in values])
+        return engine.allreduce(t, op="avg")[:, 0].tolist()
     t = torch.tensor(values, dtype=torch.float64)
     return engine.allreduce(t, op="avg").tolist()
 

@@ -421,6 +421,13 @@ def build_model(
     return model.to(dtype)
 
 
+def on_meta(node: Any, in_shape: tuple[int, ...], classes: int) -> nn.Module:
+    """The model a node names, built on torch's meta device: its layers and shapes, no memory, no compute
+    (what the driver inspects before any rank starts)."""
+    with torch.device("meta"):
+        return _construct(node, in_shape, classes)
+
+
 def parameter_count(node: Any, in_shape: tuple[int, ...], classes: int) -> int:
     """Parameters of the model a node names, built on torch's meta device: shapes only,
     no memory and no compute, so sizing a 128-rank ResNet-50 study costs nothing."""

@@ -117,7 +117,8 @@ def check_even(ranks: int, launcher: Launcher) -> None:
 
 def choose_engine(cfg: Any) -> tuple[str, str]:
     """engine=auto: (engine, why). nccl when every rank has its own GPU; else mpi
-    while ranks <= processor slots x slots_factor; else threads."""
+    while ranks <= processor slots x slots_factor; else stacked when the job stacks
+    (bfexp.comm.stacked.check_job), else threads."""
     import importlib.util
 
     from bfexp.comm import engine_class
@@ -135,7 +136,34 @@ def choose_engine(cfg: Any) -> tuple[str, str]:
         return "mpi", f"ranks={ranks} fit {limit}{gpu_note}"
     if not runs_on(cfg, "threads"):
         return "mpi", f"ranks={ranks} exceed {limit}, but this algorithm needs a process per rank{gpu_note}"
-    return "threads", f"ranks={ranks} exceed {limit}{gpu_note}"
+    not_stacked = stacking_refusal(cfg)
+    if not_stacked is None:
+        return "stacked", f"ranks={ranks} exceed {limit}, and the job stacks into one batched program{gpu_note}"
+    return "threads", f"ranks={ranks} exceed {limit}; not stacked: {not_stacked}{gpu_note}"
+
+
+def stacking_refusal(cfg: Any) -> str | None:
+    """Why engine=stacked cannot run the job (its first refusal, one line), or None: what engine=auto asks
+    before it picks virtual ranks as threads."""
+    from bfexp.comm import engine_class
+
+    if not runs_on(cfg, "stacked"):
+        from bfexp.config import label
+
+        return f"algorithm={label(cfg.algorithm)} is not stackable"
+    try:
+        from bfexp.comm.stacked import check_job
+        from bfexp.config import build
+        from bfexp.models import sample_shape
+
+        engine_class("stacked")
+        in_shape, classes = sample_shape(cfg.model, build(cfg.dataset, "dataset"))
+        check_job(cfg, in_shape, classes)
+    except ConfigError as e:
+        return str(e)
+    from bfexp.comm.stacked import threads_as_fast
+
+    return threads_as_fast(cfg, in_shape, classes)
 
 
 def runs_on(cfg: Any, engine: str) -> bool:

@@ -112,6 +112,9 @@ FIELDS = (
     Field("train_time_s", "train s", "training time (s)", console=False),
     # Seconds a rank spent evaluating the held-out set (mean over ranks), apart from training time.
     Field("eval_time_s", "eval s", "evaluation time (s)", console=False),
+    # Ranks whose held-out figures final_accuracy and final_eval_loss average: every rank, or on
+    # engine=stacked above 512 ranks a sample of evenly spaced ones.
+    Field("eval_ranks", "eval ranks", "ranks evaluated", console=False),
     Field("target_accuracy", "target acc", "target accuracy", console=False, job_table=False),
     Field("time_to_target_accuracy_s", "t->acc s", "time to target accuracy (s)", job_table=False),
     # Under budget_s: the same for the ranks' average model and for the worst rank (metrics.jsonl's
@@ -124,6 +127,8 @@ FIELDS = (
     Field("time_to_target_eval_loss_s", "t->loss s", "time to target held-out loss (s)", console=False,
           job_table=False),
     Field("wall_time_s", "wall s", "wall time (s)", console=False),
+    # The largest resident memory of the process that ran rank 0 (virtual ranks: every rank's, one process).
+    Field("peak_memory_bytes", "peak B", "peak memory (bytes)", console=False),
 )
 FIELD = {f.key: f for f in FIELDS}
 # The scaling figures a summary headlines, with their intervals; `time_source` says whether they are measured or modeled.

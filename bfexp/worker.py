@@ -36,11 +36,12 @@ from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.assembly import assemble, layout_ranks_per_machine
 from bfexp.summary import compute_speed, job_identity, modeled_block, reference_fields, scaling_block
 from bfexp.comm.engine import Engine
+from bfexp.comm.stacked import StackedData, StackedModel, StackedSampler
 from bfexp.data import BatchSampler, RankData
 from bfexp.heterogeneity import Heterogeneity, Pace
 from bfexp.torch_internals import defer_dynamo
 from bfexp.metrics import (EvalSchedule, StepTimer, consensus_distance, cross_entropy, evaluate, gather_floats,
-                           global_mean, held_out, model_input, perplexity)
+                           global_mean, held_out, model_input, perplexity, rank_value)
 from bfexp.models import build_model, sample_shape
 from bfexp.timeline import Timeline, span
 from bfexp.topology import Topology
@@ -80,9 +81,11 @@ def train_step(net: torch.nn.Module | None, optimizer: Any, x: torch.Tensor | No
     computing = time.perf_counter()
     optimizer.zero_grad()
     with span(timeline, "forward"):
-        loss = cross_entropy(net(model_input(x, dtype)), y)
+        out = net(model_input(x, dtype))
+        # Stacked ranks (bfexp.comm.stacked): each rank's mean loss; the sum's gradient is each rank's own.
+        loss = net.losses(out, y) if isinstance(net, StackedModel) else cross_entropy(out, y)
     with span(timeline, "backward"):
-        loss.backward()
+        loss.sum().backward()
     if pace is not None:
         pace.computed(time.perf_counter() - computing)
     if isinstance(optimizer, DecentralizedOptimizer):
@@ -112,6 +115,15 @@ class Built:
     device: torch.device
     notes: list[str] = field(default_factory=list)  # what the assembly noted (the driver printed the same)
     tokens: bool = False  # samples are token ids with a target per position (a language model's data)
+    # One rank's model (the single-rank reference's); make_model's own unless the engine is stacked.
+    make_rank_model: Callable[[], torch.nn.Module] | None = None
+
+    def rank_model(self) -> torch.nn.Module:
+        return (self.make_rank_model or self.make_model)()
+
+    def rank_data(self) -> RankData:
+        """Rank 0's shard on a stacked engine (the single-rank reference's data), else this rank's."""
+        return self.data.shards[0] if isinstance(self.data, StackedData) else self.data
 
 
 def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
@@ -124,7 +136,10 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
     """
     dtype = DTYPES[cfg.dtype]
     dataset = config.build(cfg.dataset, "dataset")
-    if with_data:
+    if with_data and engine.stacked:  # every rank's shard, read and split once
+        data = StackedData(dataset.load_ranks(engine.size, cfg.seed))
+        in_shape, classes = tuple(data.train_x.shape[1:]), data.classes
+    elif with_data:
         data = dataset.load(engine.rank, engine.size, cfg.seed)
         in_shape, classes = tuple(data.train_x.shape[1:]), data.classes
         mark(engine, "build: data shard")
@@ -133,8 +148,11 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
         in_shape, classes = sample_shape(cfg.model, dataset)
     device = getattr(engine, "device", None) or torch.device("cpu")  # GPU engines name the rank's device
 
-    def make_model() -> torch.nn.Module:
+    def make_rank_model() -> torch.nn.Module:
         return build_model(cfg.model, in_shape, classes, cfg.seed, dtype).to(device)
+
+    def make_model() -> torch.nn.Module:  # stacked: every rank's copy of the same start as one module
+        return StackedModel(make_rank_model(), engine.size) if engine.stacked else make_rank_model()
 
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
         return config.build(cfg.optimizer, "optimizer")(params)
@@ -148,7 +166,19 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
         engine.schedule()
     tokens = data.tokens if data is not None else bool(getattr(dataset, "tokens", False))
     return Built(made.topology, data, model, optimizer, net, make_model, make_optimizer, in_shape, classes, dtype,
-                 device, made.notes, tokens)
+                 device, made.notes, tokens, make_rank_model)
+
+
+def peak_memory_bytes() -> int:
+    """The largest resident set of this process so far (Linux reports KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def rank_numel(model: torch.nn.Module) -> int:
+    """Parameters of one rank's model (a stacked model holds every rank's)."""
+    return model.rank_numel if isinstance(model, StackedModel) else sum(p.numel() for p in model.parameters())
 
 
 def is_baseline(cfg: Any) -> bool:
@@ -182,14 +212,15 @@ class Training:
         self.job = job = build(cfg, engine)
         mark(engine, "build: model, optimizer, algorithm")
         data = job.data
-        self.sampler = BatchSampler(data, cfg.batch_size, cfg.seed, engine.rank)
+        self.sampler = (StackedSampler(data, cfg.batch_size, cfg.seed) if isinstance(data, StackedData)
+                        else BatchSampler(data, cfg.batch_size, cfg.seed, engine.rank))
         self.steps = steps = config.total_steps(cfg, data.global_train_size, engine.size)
         self.timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
         # Stragglers (bfexp.heterogeneity): a rank's extra time per step, or its simulated compute time.
         self.heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
         # The single-rank reference: from the cache, or measured in rounds between the timed training steps
         # (a 1-rank job at an even pace is its own: its steps are the reference's).
-        self.single = reference(cfg, engine, job, BatchSampler(data, cfg.batch_size, cfg.seed + 1, engine.rank).next,
+        self.single = reference(cfg, engine, job, BatchSampler(job.rank_data(), cfg.batch_size, cfg.seed + 1, engine.rank).next,
                                 steps=steps, first=self.timer.warmup + 1,
                                 own_steps=engine.size == 1 and not self.heterogeneity.active)
         mark(engine, "single-rank reference: cache look-up")
@@ -289,7 +320,7 @@ class Training:
             self.clock.stop()
             timer.stop(engine)
             self.bytes_sent += engine.bytes_sent - sent_before
-            self.interval_loss += float(loss.detach())
+            self.interval_loss += rank_value(loss)
             self.interval_n += 1
             self.single.after_step(step, timer.last_s)
             self.slow_down(step)
@@ -320,9 +351,10 @@ class Training:
         summary = self.summary(status, error, step)
         optimizer.close()
         summary["wall_time_s"] = time.perf_counter() - self.started
+        summary["peak_memory_bytes"] = peak_memory_bytes()
         if engine.rank == 0:
             results.write_json_atomic(self.run_dir / results.SUMMARY, summary)
-        return Trained(summary, float(loss.detach()) if loss is not None else None, parameters)
+        return Trained(summary, float(loss.detach().mean()) if loss is not None else None, parameters)
 
     def log(self, step: int) -> float:
         """A logging step (collective): evaluate when due, average over ranks, rank 0 appends the record.
@@ -583,6 +615,9 @@ class Training:
             "eval_time_s": eval_time_s,
             "evaluations": self.evals.count,
             "eval_every": self.evals.interval,
+            # Ranks whose held-out figures the accuracy and eval loss average (engine=stacked: a sample of
+            # evenly spaced ranks above bfexp.comm.stacked.EVAL_RANKS).
+            "eval_ranks": len(job.model.evaluated_ranks()) if isinstance(job.model, StackedModel) else engine.size,
         })
         if self.checkpoints.step:
             summary["resumed_from_step"] = self.checkpoints.step
@@ -651,8 +686,8 @@ def one_rank(cfg: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict
                                      **{k: v for k, v in config.node_options(node).items() if k in shared}})
 
     def make() -> tuple[torch.nn.Module, Any]:
-        one = engine if engine.size == 1 else ThreadsEngine(ThreadWorld(1), 0)
-        model = job.make_model()
+        one = engine if engine.size == 1 and not engine.stacked else ThreadsEngine(ThreadWorld(1), 0)
+        model = job.rank_model()
         wrapper = assemble(node, job.make_optimizer(model.parameters()), one, ONE_RANK, model=model).optimizer
         return (wrapper.module if wrapper.module is not None else model), wrapper
 
@@ -679,11 +714,12 @@ def reference(cfg: Any, engine: Engine, job: Built, batches: Callable[[], tuple[
     )
 
     def plain() -> tuple[torch.nn.Module, Any]:  # a plain torch loop: the bare optimizer, no wrapper
-        model = job.make_model()
+        model = job.rank_model()
         return model, job.make_optimizer(model.parameters())
 
+    # Stacked ranks are one program: rank 0's decisions are every rank's, shared on a world of one.
     single = probes.SingleRankReference(
-        engine, train_step, alone=alone, plain=plain, next_batch=next_batch, key=key,
+        engine.coordinator() if engine.stacked else engine, train_step, alone=alone, plain=plain, next_batch=next_batch, key=key,
         directory=probes.cache_dir(cfg.scaling.reference_cache), policy=str(cfg.scaling.reference),
         margin=float(cfg.scaling.reference_load_margin), rounds=int(cfg.scaling.reference_steps), threads=threads,
         steps=steps, first=first, job_alone=engine.size == 1, own_steps=own_steps,
@@ -703,7 +739,8 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
     cycle = int(getattr(job.optimizer, "step_cycle", 1)) if n > 1 else 1
     timing = scaling.split_timing(*gather_floats(engine, *scaling.rank_timing(timer.step_samples, timer.blocked_samples,
                                                                               cycle)))
-    probe_sampler = BatchSampler(job.data, cfg.batch_size, cfg.seed + 1, engine.rank)
+    probe_sampler = (StackedSampler(job.data, cfg.batch_size, cfg.seed + 1) if isinstance(job.data, StackedData)
+                     else BatchSampler(job.data, cfg.batch_size, cfg.seed + 1, engine.rank))
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         bx, by = probe_sampler.next()
@@ -724,7 +761,7 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
     modeled = None
     if engine.rank == 0:
         params = list(job.model.parameters())
-        modeled = modeled_block(cfg, n, sum(p.numel() for p in params), params[0].element_size(), job.topology,
+        modeled = modeled_block(cfg, n, rank_numel(job.model), params[0].element_size(), job.topology,
                                 *compute_speed(cfg, scaling.throughput_spread(1, batch, single_step)),
                                 layout_ranks_per_machine(engine))
     out = scaling_block(cfg, engine, measured, modeled, throughput_only=False)
@@ -779,7 +816,7 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
     modeled = None
     if engine.rank == 0:
         params = list(job.model.parameters())
-        modeled = modeled_block(cfg, n, sum(p.numel() for p in params), params[0].element_size(), job.topology,
+        modeled = modeled_block(cfg, n, rank_numel(job.model), params[0].element_size(), job.topology,
                                 *compute_speed(cfg, scaling.throughput_spread(1, batch, compute)),
                                 layout_ranks_per_machine(engine))
     summary = job_identity(cfg, ranks=n, engine=engine.name, batch_size=batch)

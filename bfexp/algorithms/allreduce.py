@@ -34,6 +34,7 @@ class Allreduce(DecentralizedOptimizer):
     uses_topology: ClassVar[bool] = False
     bucketed: ClassVar[bool] = True
     traffic: ClassVar[Traffic] = Traffic("allreduce")  # the gradient (local SGD: the model)
+    stackable: ClassVar[bool] = True  # elementwise plus engine operations (engine=stacked)
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any

@@ -72,20 +72,34 @@ class Requirements:
     static: bool = False
 
 
-def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Move the parameters' storage into one flat buffer; each becomes a view of it."""
+def flatten_parameters_(params: list[torch.nn.Parameter], ranks: int = 0) -> torch.Tensor:
+    """Move the parameters' storage into one flat buffer; each becomes a view of it.
+
+    ``ranks`` > 0: the parameters are stacked (bfexp.comm.stacked: the last dimension is the rank), and
+    the buffer is ``(numel per rank, ranks)``: row k is element k of every rank's flat model, so the
+    rules' slices of ``flat`` (``flat[a:b]``, a bucket) cut the same elements as on one rank.
+    """
     if not params:
         raise ValueError("the optimizer has no parameters")
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise TypeError(f"parameters must share one dtype, got {sorted(map(str, dtypes))}")
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    if ranks:
+        flat = torch.cat([p.detach().reshape(-1, ranks) for p in params])
+    else:
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
     offset = 0
     for p in params:
-        n = p.numel()
+        n = _rows(p, flat)
         p.data = flat[offset : offset + n].view_as(p)
         offset += n
     return flat
+
+
+def _rows(p: torch.Tensor, flat: torch.Tensor) -> int:
+    """How many rows (elements per rank) of ``flat`` parameter ``p`` takes: its numel, or its numel over
+    the ranks of a stacked (2-D) buffer."""
+    return p.numel() if flat.dim() == 1 else p.numel() // flat.shape[1]
 
 
 def flat_grad(params: list[torch.nn.Parameter], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,11 +108,12 @@ def flat_grad(params: list[torch.nn.Parameter], out: torch.Tensor | None = None)
         out = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
-        n = p.numel()
+        n = _rows(p, out)
         if p.grad is None:
             out[offset : offset + n].zero_()
         else:
-            out[offset : offset + n].copy_(p.grad.reshape(-1))
+            part = out[offset : offset + n]
+            part.copy_(p.grad.reshape(part.shape))
         offset += n
     return out
 
@@ -107,7 +122,7 @@ def set_flat_grad_(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
     """Write a flat buffer into the parameters' .grad (allocating where a grad is None)."""
     offset = 0
     for p in params:
-        n = p.numel()
+        n = _rows(p, flat)
         view = flat[offset : offset + n].view_as(p)
         if p.grad is None:
             p.grad = view.clone()
@@ -193,6 +208,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     # True when ranks never wait for one another inside step() (one-sided window ops only):
     # async_push_sum, gossip, ad_psgd. Their finish() is collective: it drains what is in flight.
     asynchronous: ClassVar[bool] = False
+    # True when the rule's update is elementwise plus engine operations, so that it runs unchanged on
+    # engine=stacked (every rank one slice of the buffers' last dimension). A user's own rule says so
+    # itself: the default refuses the stacked engine (check_run) rather than guess.
+    stackable: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -258,7 +277,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._average: GlobalAverage | None = None  # this rank's row of J, built on first use
         self._rounds: tuple[Any, dict[int, TopologyRound]] = (None, {})  # (topology, its rounds' weights)
         self.params: list[torch.nn.Parameter] = _unique([p for g in optimizer.param_groups for p in g["params"]])
-        self.flat = flatten_parameters_(self.params)
+        self.flat = flatten_parameters_(self.params, engine.size if engine.stacked else 0)
         self.iteration = 0
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # local_update's buffers
         self.module: torch.nn.Module | None = model  # what the training loop calls forward on
@@ -266,7 +285,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.buckets: GradBuckets | None = None
         if self.bucketed:
             bucket_bytes = int(self.bucket_mb * 2**20) if self.overlap else None
-            self.buckets = GradBuckets(self.params, bucket_bytes, self.bucket_ready)
+            self.buckets = GradBuckets(self.params, bucket_bytes, self.bucket_ready,
+                                       ranks=engine.size if engine.stacked else 1)
         self._pre_hook = model.register_forward_pre_hook(_BeginHook(self)) if model is not None else None
 
     # torch.optim.Optimizer: the local optimizer's groups, state and defaults -------
@@ -406,6 +426,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """
         if isinstance(w, GlobalAverage):
             return self.start_average(tensor, scale)
+        if self.engine.stacked:  # every rank at once: the round's W, by number
+            return self.engine.imix_(tensor, self.topology, w.round, scale)
         if scale == 1.0 and isinstance(w, TopologyRound) and self.topology is self.engine.topology:
             # W(r) as the engine's topology gives it: checked at its first use, then no declaration round trip.
             return self.engine.ineighbor_allreduce_(tensor, t=w.round)
@@ -417,6 +439,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Start (A X)_i in place for a column-stochastic A: every sender scales what it sends by A[k, i]."""
         if isinstance(w, GlobalAverage):
             return self.start_average(tensor)
+        if self.engine.stacked:  # A X for every rank at once: the same product as the senders' scaling
+            return self.engine.imix_(tensor, self.topology, w.round)
         src = {j: 1.0 for j in w.src_weights}
         return self.engine.ineighbor_allreduce_(tensor, w.self_weight, src, dict(w.dst_weights))
 
@@ -538,8 +562,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         ``processes``, ``virtual``, ``device_type``); ``throughput_only``: the
         job times step() alone on its ranks; ``modeled``: no rank runs, the
         cost model prices the step. Every rule here runs anywhere unless it
-        says otherwise.
+        says otherwise; on engine=stacked only the rules that state ``stackable``.
         """
+        if getattr(engine, "stacked", False) and not cls.stackable:
+            from bfexp.comm.stacked import STACKABLE_ALGORITHMS
+
+            why = ("its ranks exchange asynchronously through one-sided windows, which one batched program has "
+                   "no order for" if cls.asynchronous else "its update is not stated elementwise (stackable)")
+            raise ConfigError(f"engine=stacked cannot run algorithm={cls.name}: {why}; allowed: engine=threads "
+                              f"or engine=mpi, or on engine=stacked algorithm={'|'.join(STACKABLE_ALGORITHMS)}")
 
     # topology requirements -------------------------------------------------
     @classmethod

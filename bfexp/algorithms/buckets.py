@@ -44,9 +44,12 @@ class GradBuckets:
         params: list[torch.nn.Parameter],
         bucket_bytes: int | None,
         on_ready: Callable[[Bucket], Any],
+        ranks: int = 1,
     ) -> None:
+        """``ranks`` > 1: stacked parameters (bfexp.comm.stacked), whose flat buffer has a row per element
+        of one rank's model; buckets are cut in those rows and in one rank's bytes."""
         self.on_ready = on_ready
-        self.buckets = _cut(params, bucket_bytes)
+        self.buckets = _cut(params, bucket_bytes, ranks)
         self._bucket_of: dict[int, int] = {}
         for b in self.buckets:
             for p in b.params:
@@ -112,28 +115,29 @@ class GradBuckets:
         self._started.append((bucket, self.on_ready(bucket)))
 
 
-def _cut(params: list[torch.nn.Parameter], bucket_bytes: int | None) -> list[Bucket]:
+def _cut(params: list[torch.nn.Parameter], bucket_bytes: int | None, ranks: int = 1) -> list[Bucket]:
     offsets, offset = [], 0
     for p in params:
         offsets.append(offset)
-        offset += p.numel()
+        offset += p.numel() // ranks
     if bucket_bytes is None:
         return [Bucket(0, tuple(params), 0, offset)]
     buckets: list[Bucket] = []
     group: list[int] = []
     size = 0
     for i in reversed(range(len(params))):
-        nbytes = params[i].numel() * params[i].element_size()
+        nbytes = params[i].numel() // ranks * params[i].element_size()
         if group and size + nbytes > bucket_bytes:
-            buckets.append(_bucket(len(buckets), params, offsets, group))
+            buckets.append(_bucket(len(buckets), params, offsets, group, ranks))
             group, size = [], 0
         group.append(i)
         size += nbytes
     if group:
-        buckets.append(_bucket(len(buckets), params, offsets, group))
+        buckets.append(_bucket(len(buckets), params, offsets, group, ranks))
     return buckets
 
 
-def _bucket(index: int, params: list[torch.nn.Parameter], offsets: list[int], group: list[int]) -> Bucket:
+def _bucket(index: int, params: list[torch.nn.Parameter], offsets: list[int], group: list[int],
+            ranks: int = 1) -> Bucket:
     lo, hi = min(group), max(group)
-    return Bucket(index, tuple(params[lo : hi + 1]), offsets[lo], offsets[hi] + params[hi].numel())
+    return Bucket(index, tuple(params[lo : hi + 1]), offsets[lo], offsets[hi] + params[hi].numel() // ranks)

@@ -26,6 +26,11 @@ adapt-then-combine iterates. The paper assumes W symmetric and doubly
 stochastic; any doubly stochastic W keeps the models' mean moving by the
 mean local step. Gossip-PGA rounds (``global_average_every``) average the
 models exactly, uncompressed, and leave the public copies as they are.
+
+engine=stacked (every rank a column of the flat buffer): each rank's column is
+compressed by the compressor itself with that rank's own generator (so its q_i
+is the one it would send on any engine), and s += Q W^T is one mixing of the
+decoded Q, counted as the packed payloads' bytes.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class ChocoSGD(DecentralizedOptimizer):
     requires: ClassVar[Requirements] = Requirements(doubly_stochastic=True, static=True)
     traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1)  # one compressed vector; traffic_of prices it
     overlaps: ClassVar[bool] = False  # q_i is compressed from the finished local step
+    stackable: ClassVar[bool] = True  # a per-rank compression, then elementwise plus one mixing (engine=stacked)
 
     def __init__(
         self,
@@ -71,6 +77,9 @@ class ChocoSGD(DecentralizedOptimizer):
         self.s = torch.zeros_like(self.flat)  # sum_j W_ij x_hat_j, j = i included
         self.diff = torch.empty_like(self.flat)
         self.random = self.compressor.generator(engine.rank, self.flat.device)
+        # engine=stacked: every rank's own stream, rank r's as it would be on rank r
+        self.randoms = [self.compressor.generator(r, self.flat.device) for r in range(engine.size)] \
+            if engine.stacked else []
 
     @classmethod
     def check_options(cls, **options: Any) -> None:
@@ -93,6 +102,9 @@ class ChocoSGD(DecentralizedOptimizer):
         if isinstance(w, GlobalAverage):  # Gossip-PGA: an exact average instead
             self.wait(self.start_average(self.flat))
             return
+        if self.engine.stacked:
+            self.stacked_exchange(w.round)
+            return
         n, dtype = self.flat.numel(), self.flat.dtype
         torch.sub(self.flat, self.x_hat, out=self.diff)
         payload = self.compressor.encode(self.diff, self.random)
@@ -105,6 +117,20 @@ class ChocoSGD(DecentralizedOptimizer):
         for row, j in zip(received, srcs):
             self.s.add_(self.compressor.decode(row, n, dtype), alpha=w.src_weights[j])
         self.flat.add_(self.s - self.x_hat, alpha=self.gamma)  # X+ = X_half + gamma (W - I) X_hat
+
+    def stacked_exchange(self, round_: int) -> None:
+        """The exchange above for every rank at once (engine=stacked; columns are ranks): each rank's q_i
+        compressed and decoded as it sends it, then s += Q W(round)^T as one mixing."""
+        torch.sub(self.flat, self.x_hat, out=self.diff)
+        numel, dtype = self.diff.shape[0], self.diff.dtype
+        q = torch.empty_like(self.diff)
+        for r, random in enumerate(self.randoms):  # per rank: the compressor's own code on rank r's vector
+            q[:, r] = self.compressor.decode(self.compressor.encode(self.diff[:, r].contiguous(), random), numel, dtype)
+        self.x_hat.add_(q)
+        wire = self.compressor.payload_bytes(numel, dtype)
+        self.wait(self.engine.imix_(q, self.topology, round_, wire_bytes=wire))  # row i: sum_j W_ij q_j, j = i too
+        self.s.add_(q)
+        self.flat.add_(self.s - self.x_hat, alpha=self.gamma)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"x_hat": self.x_hat, "s": self.s}

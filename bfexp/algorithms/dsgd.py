@@ -41,6 +41,7 @@ class DSGD(DecentralizedOptimizer):
     requires: ClassVar[Requirements] = Requirements(row_stochastic=True)
     bucketed: ClassVar[bool] = True  # atc adapts bucket by bucket
     traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1)
+    stackable: ClassVar[bool] = True  # elementwise plus engine operations (engine=stacked)
 
     def __init__(
         self,

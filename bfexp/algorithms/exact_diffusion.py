@@ -42,6 +42,7 @@ class ExactDiffusion(DecentralizedOptimizer):
     requires: ClassVar[Requirements] = Requirements(doubly_stochastic=True, symmetric=True, static=True)
     bucketed: ClassVar[bool] = True
     traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1)
+    stackable: ClassVar[bool] = True  # elementwise plus engine operations (engine=stacked)
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any

@@ -47,6 +47,7 @@ class GradientTracking(DecentralizedOptimizer):
     requires: ClassVar[Requirements] = Requirements(doubly_stochastic=True)
     bucketed: ClassVar[bool] = True  # the atc form mixes its tracker bucket by bucket
     traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=2)  # x and y
+    stackable: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -63,7 +64,7 @@ class GradientTracking(DecentralizedOptimizer):
         if self.form == "diging" and self.buckets is not None:  # only the atc form mixes by bucket
             self.buckets.remove()
             self.buckets = None
-        n = self.flat.numel()
+        n = len(self.flat)  # elements of one rank's model (rows of a stacked buffer)
         # y_{-1} = 0 and grad_{-1} = 0 make the first update give y_0 = grad f(x_0).
         self.y = torch.zeros_like(self.flat)
         self.grad_prev = torch.zeros_like(self.flat)
@@ -73,7 +74,7 @@ class GradientTracking(DecentralizedOptimizer):
         assert self.topology is not None
         self.fused = not self.topology.is_dynamic and self.communication_period == 1 and not self.global_average_every
         # DIGing mixes copies in place: [x | y] in one buffer (fused), else one each.
-        self.mixed = torch.zeros(2 * n, dtype=self.flat.dtype, device=self.flat.device) if self.form == "diging" else None
+        self.mixed = self.flat.new_zeros((2 * n, *self.flat.shape[1:])) if self.form == "diging" else None
         self._x_exchange: Handle | None = None  # W(k) x_k (fused: [W x_k, W y_{k-1}])
         self._y_exchange: Handle | None = None  # W(k-1) y_{k-1}
 
@@ -89,7 +90,7 @@ class GradientTracking(DecentralizedOptimizer):
             self._x_exchange = self._start_x_exchange()
 
     def _start_x_exchange(self) -> Handle:
-        n = self.flat.numel()
+        n = len(self.flat)
         assert self.mixed is not None
         self.mixed[:n].copy_(self.flat)
         if self.fused:
@@ -99,13 +100,13 @@ class GradientTracking(DecentralizedOptimizer):
 
     def _start_y_exchange(self, iteration: int) -> Handle:
         assert self.mixed is not None
-        wy = self.mixed[self.flat.numel() :]
+        wy = self.mixed[len(self.flat) :]
         wy.copy_(self.y)
         return self.start_mix(wy, self.mixing_weights(iteration))
 
     def _update_diging(self) -> None:
         k = self.iteration
-        n = self.flat.numel()
+        n = len(self.flat)
         assert self.mixed is not None
         wx, wy = self.mixed[:n], self.mixed[n:]
         flat_grad(self.params, out=self.grad)

@@ -39,6 +39,7 @@ class OuterOptimizer(DecentralizedOptimizer):
     requires: ClassVar[Requirements] = Requirements(row_stochastic=True)
     traffic: ClassVar[Traffic] = Traffic("neighbor")  # one model every H steps; traffic_of: allreduce if so
     overlaps: ClassVar[bool] = False  # the outer step needs the finished inner steps
+    stackable: ClassVar[bool] = True  # elementwise plus engine operations (engine=stacked)
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, *,

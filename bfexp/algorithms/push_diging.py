@@ -30,14 +30,15 @@ class PushDIGing(DecentralizedOptimizer):
     name: ClassVar[str] = "push_diging"
     requires: ClassVar[Requirements] = Requirements(column_stochastic=True)
     traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=2, scalars=1)  # [u | v | y] in one message
+    stackable: ClassVar[bool] = True
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any
     ) -> None:
         super().__init__(optimizer, engine, topology, **options)
-        n = self.flat.numel()
+        n = len(self.flat)  # elements of one rank's model (rows of a stacked buffer)
         # What a round pushes, in one buffer mixed in place: [u | v | y].
-        self.pushed = torch.zeros(2 * n + 1, dtype=self.flat.dtype, device=self.flat.device)
+        self.pushed = self.flat.new_zeros((2 * n + 1, *self.flat.shape[1:]))
         self.u, self.v, self.pushed_y = self.pushed[:n], self.pushed[n : n + 1], self.pushed[n + 1 :]
         self.u.copy_(self.flat)  # u_0 = x_0
         self.v.fill_(1.0)  # v_0 = 1

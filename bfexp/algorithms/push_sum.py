@@ -38,13 +38,14 @@ class PushSum(DecentralizedOptimizer):
     requires: ClassVar[Requirements] = Requirements(column_stochastic=True)
     bucketed: ClassVar[bool] = True
     traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1, scalars=1)  # w travels with x
+    stackable: ClassVar[bool] = True
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, engine: Engine, topology: Topology | None = None, **options: Any
     ) -> None:
         super().__init__(optimizer, engine, topology, **options)
-        n = self.flat.numel()
-        self.numerator = torch.empty(n + 1, dtype=self.flat.dtype, device=self.flat.device)
+        n = len(self.flat)  # elements of one rank's model (rows of a stacked buffer)
+        self.numerator = self.flat.new_empty((n + 1, *self.flat.shape[1:]))
         self.numerator[:n] = self.flat  # x_0 = z_0
         self.numerator[n] = 1.0  # w_0 = 1
 
@@ -58,7 +59,7 @@ class PushSum(DecentralizedOptimizer):
 
     def _span(self, bucket: Bucket) -> slice:
         """The bucket's slice of the numerator; the bucket at the end also carries w."""
-        stop = bucket.stop + 1 if bucket.stop == self.flat.numel() else bucket.stop
+        stop = bucket.stop + 1 if bucket.stop == len(self.flat) else bucket.stop
         return slice(bucket.start, stop)
 
     def bucket_ready(self, bucket: Bucket) -> Handle:

@@ -34,6 +34,7 @@ from bfexp.topology import Topology
 
 class QGDSGDm(DecentralizedOptimizer):
     name: ClassVar[str] = "qg_dsgdm"
+    stackable: ClassVar[bool] = True  # elementwise plus engine operations (engine=stacked)
     requires: ClassVar[Requirements] = Requirements(row_stochastic=True)
     traffic: ClassVar[Traffic] = Traffic("neighbor", vectors=1)  # the model; m_hat stays local
     overlaps: ClassVar[bool] = False  # the exchange sends the finished step's x_half

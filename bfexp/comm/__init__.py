@@ -2,7 +2,7 @@
 
 Each conf/engine/<name>.yaml names its engine class with ``_target_`` and the
 class's constructor is the option's schema (MPIEngine, NCCLEngine,
-ThreadsEngine); ``engine=auto`` names ``Auto`` below, which the driver asks
+ThreadsEngine, StackedEngine); ``engine=auto`` names ``Auto`` below, which the driver asks
 for each job's choice among them. A node also states its class's ``name``
 (mpi, nccl, threads): the family the driver starts its ranks as, and what the
 summary calls it, so a user's subclass of an engine runs as its base does.
@@ -30,6 +30,7 @@ ENGINES = {
     "mpi": ("bfexp.comm.mpi", "MPIEngine"),
     "nccl": ("bfexp.comm.nccl", "NCCLEngine"),
     "threads": ("bfexp.comm.threads", "ThreadsEngine"),
+    "stacked": ("bfexp.comm.stacked", "StackedEngine"),
 }
 
 # The engines whose ranks are processes (their classes' ``processes``), known without importing them
@@ -49,7 +50,8 @@ def engine_class(name: str) -> "type[Engine]":
 class Auto:
     """``engine=auto``: the driver chooses the engine of each job (bfexp.preflight.choose_engine) and prints
     why: nccl when every rank has its own GPU; else mpi while the ranks fit the processor slots times
-    ``slots_factor``; else threads. Its other settings go to the engine it chooses (``choice``)."""
+    ``slots_factor``; else stacked when the job can be stacked (bfexp.preflight.stacking_refusal: the
+    checks engine=stacked makes), else threads. Its other settings go to the engine it chooses (``choice``)."""
 
     name: ClassVar[str] = "auto"
 

@@ -110,9 +110,11 @@ return ``(wait, done)`` for work they posted:
   ``_run_window_op`` (run now, or on a helper thread); a Window's
   ``exclusive()`` guards this rank's own window memory.
 
-Engine facts are class attributes: ``name`` ("mpi", "nccl", "threads"),
-``virtual`` (ranks are threads of one process), ``processes`` (one OS
-process per rank, started by mpiexec) and ``device_type`` ("cpu", "cuda").
+Engine facts are class attributes: ``name`` ("mpi", "nccl", "threads",
+"stacked"), ``virtual`` (ranks are threads of one process), ``processes``
+(one OS process per rank, started by mpiexec), ``device_type`` ("cpu",
+"cuda") and ``stacked`` (one engine object holds every rank: each tensor's
+LAST dimension is the rank dimension, bfexp.comm.stacked).
 """
 
 from __future__ import annotations
@@ -586,6 +588,9 @@ class Engine(abc.ABC):
     virtual: ClassVar[bool]  # ranks are threads of one process
     processes: ClassVar[bool]  # one OS process per rank, started by mpiexec
     device_type: ClassVar[str]  # where its tensors live: "cpu" or "cuda"
+    # One engine object runs every rank as one batched tensor program (bfexp.comm.stacked): every
+    # tensor's last dimension is the rank dimension, and the algorithms mix by the topology's round.
+    stacked: ClassVar[bool] = False
     # What clock_s is: wall-clock "measured" on real ranks; "simulated" on virtual ranks (bfexp.comm.threads).
     time_source: ClassVar[str] = "measured"
     # False skips the declaration check of neighbor_allreduce and hierarchical_neighbor_allreduce

@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"W({t}) =\n{topo.mixing_matrix(t)}")
     if args.out:
         try:
-            path = topo.draw(args.out)
+            path = topo.draw(args.out, spectral_gap=facts.get("spectral_gap"))
         except (OSError, ValueError) as exc:
             _fail(f"--out={args.out}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
         print(f"picture: {path}", file=sys.stderr if args.json else sys.stdout)

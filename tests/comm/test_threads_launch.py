@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from bfexp.launchers import processor_slots
 from bfexp.preflight import choose_engine
-from tests.comm.engines import REPO
 from tests.conftest import BFEXP
 
 
@@ -48,7 +47,9 @@ def test_sigterm_stops_every_rank_thread(tmp_path):
 
 
 def test_auto_runs_threads_beyond_the_slots_with_the_files_of_an_mpi_job(bfexp):
-    proc = bfexp("ranks=16", "engine.slots_factor=0.001", "steps=30", "log_every=10", "hydra.run.dir=run")
+    """Beyond the slots a job that cannot be stacked (stragglers: each rank its own clock) runs on threads."""
+    proc = bfexp("ranks=16", "engine.slots_factor=0.001", "steps=30", "log_every=10", "heterogeneity=stragglers",
+                 "hydra.run.dir=run")
     assert proc.returncode == 0, proc.stderr
     slots = processor_slots()
     why = f"engine=auto chose threads: ranks=16 exceed {slots} processor slots x engine.slots_factor=0.001 = {slots * 0.001:g}"
@@ -56,28 +57,36 @@ def test_auto_runs_threads_beyond_the_slots_with_the_files_of_an_mpi_job(bfexp):
     run = bfexp.cwd / "run"
     summary = summary_of(run)
     assert (summary["status"], summary["engine"], summary["ranks"], summary["steps"]) == ("completed", "threads", 16, 30)
-    assert summary["engine_choice"] == why
+    assert why in summary["engine_choice"]
+    assert "not stacked: engine=stacked steps every rank in lock step" in summary["engine_choice"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [10, 20, 30]
     assert OmegaConf.load(run / "config.yaml").engine.name == "threads"  # what every rank read
 
 
-def auto(ranks: int, factor: float, algorithm: str = "dsgd"):
-    """A job's config as far as engine=auto reads it; the algorithm is its shipped option."""
-    return OmegaConf.create({"ranks": ranks, "throughput_only": False, "scaling": {"modeled": False},
-                             "algorithm": OmegaConf.load(REPO / "conf" / "algorithm" / f"{algorithm}.yaml"),
-                             "engine": {"name": "auto", "slots_factor": factor, "ranks_per_machine": 0}})
+def auto(ranks: int, factor: float, algorithm: str = "dsgd", *more: str):
+    """A job's whole config under engine=auto (what it reads: the ranks, the algorithm, and for
+    engine=stacked the model, data set, optimizer and options)."""
+    from tests.test_threads_equivalence import compose
+
+    return compose([f"ranks={ranks}", "engine=auto", f"engine.slots_factor={factor}", f"algorithm={algorithm}", *more])
 
 
-@pytest.mark.parametrize("ranks, factor, algorithm, engine", [
-    (2, 1000.0, "dsgd", "mpi"),
-    (10**6, 1.0, "dsgd", "threads"),
-    (10**6, 1.0, "ddp", "mpi"),  # torch.distributed needs a process per rank
+@pytest.mark.parametrize("ranks, factor, algorithm, more, engine", [
+    (2, 1000.0, "dsgd", [], "mpi"),
+    (10**6, 1.0, "dsgd", [], "stacked"),  # beyond the slots, one batched program when the job allows
+    (10**6, 1.0, "exact_diffusion", ["model=mlp", "dataset=digits"], "stacked"),
+    (10**6, 1.0, "dsgd", ["model=cnn", "dataset=digits"], "threads"),  # convolutions: threads are as fast
+    (10**6, 1.0, "gossip", [], "threads"),  # asynchronous: no batched order
+    (10**6, 1.0, "dsgd", ["heterogeneity=stragglers"], "threads"),  # each rank its own clock
+    (10**6, 1.0, "dsgd", ["model=resnet50", "dataset=digits"], "threads"),  # batch norm
+    (10**6, 1.0, "ddp", [], "mpi"),  # torch.distributed needs a process per rank
 ])
-def test_auto_choice(ranks, factor, algorithm, engine):
-    chosen, why = choose_engine(auto(ranks, factor, algorithm))
+def test_auto_choice(ranks, factor, algorithm, more, engine):
+    chosen, why = choose_engine(auto(ranks, factor, algorithm, *more))
     assert chosen == engine, why
     assert f"ranks={ranks}" in why and f"engine.slots_factor={factor:g}" in why
+    assert ("not stacked:" in why) == (engine == "threads")
 
 
 def test_a_bad_slots_factor_is_refused_before_any_rank_starts(bfexp):

@@ -68,3 +68,22 @@ def test_static_png(tmp_path: Path, capsys):
     main(["mesh", "--ranks", "12", "--no-torus", "--out", str(out)])
     assert out.read_bytes()[:8] == PNG_MAGIC
     assert "spectral_gap" in capsys.readouterr().out
+
+
+def test_large_graph_draws_plain_lines(tmp_path: Path, monkeypatch):
+    """Above MAX_ARROWS edges a panel the picture draws plain lines (fast at thousands of ranks) and says so."""
+    import bfexp.topology.draw as draw
+    from bfexp.topology import Exp2
+
+    monkeypatch.setattr(draw, "MAX_ARROWS", 10)
+    titles = []
+    original = draw._draw_plain
+
+    def spy(ax, xy, senders, receivers, node_size):
+        titles.append(len(senders))
+        return original(ax, xy, senders, receivers, node_size)
+
+    monkeypatch.setattr(draw, "_draw_plain", spy)
+    out = draw.draw(Exp2(16), tmp_path / "exp2.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert titles == [16 * 4]  # exp2 at 16 ranks: 4 out-neighbors each, every edge drawn
