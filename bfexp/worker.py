@@ -305,21 +305,28 @@ class Training:
         if step == self.first and self.cgroup is None:
             self.cgroup = starve(self.cfg, self.engine, self.run_dir)
 
+    def timed_step(self) -> torch.Tensor:
+        """THE step on this rank's next batch, timed (the job's timer, the rank's clock) and its bytes counted:
+        what both loops run."""
+        job, engine = self.job, self.engine
+        x, y = self.sampler.next()
+        x, y = x.to(job.device), y.to(job.device)
+        sent_before = engine.bytes_sent
+        self.timer.start(engine)
+        self.clock.start()
+        loss = train_step(job.net, job.optimizer, x, y, job.dtype, engine.timeline, self.pace)
+        self.clock.stop()
+        self.timer.stop(engine)
+        self.bytes_sent += engine.bytes_sent - sent_before
+        return loss
+
     def run_locked(self) -> Trained:
         cfg, engine, job, optimizer, sampler, timer = self.cfg, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
         status, error, loss = results.COMPLETED, None, None
         step = self.first - 1
         for step in range(self.first, self.steps + 1):
             watchdog.at_step(cfg, engine, step)  # the heartbeat; an injected fault (fail_rank, fail_step, fail_mode)
-            x, y = sampler.next()
-            x, y = x.to(job.device), y.to(job.device)
-            sent_before = engine.bytes_sent
-            timer.start(engine)
-            self.clock.start()
-            loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline, self.pace)
-            self.clock.stop()
-            timer.stop(engine)
-            self.bytes_sent += engine.bytes_sent - sent_before
+            loss = self.timed_step()
             self.interval_loss += rank_value(loss)
             self.interval_n += 1
             self.single.after_step(step, timer.last_s)
@@ -430,7 +437,7 @@ class Training:
         reaches the budget, writes its own records and evaluates its model by its clock, with no
         collective; the ranks meet only once training is over (and a stop request reaches each rank
         through the run folder)."""
-        cfg, engine, job, optimizer, sampler, timer = self.cfg, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
+        cfg, engine, optimizer, sampler, timer = self.cfg, self.engine, self.job.optimizer, self.sampler, self.timer
         assert self.budget_s is not None
         limit = self.budget_s * (1 + 1e-12)  # a clock summed from step times may land a rounding past it
         simulated = self.clock.simulated
@@ -462,15 +469,7 @@ class Training:
                 self.ended, end_s = ("budget" if over else "stop"), before
                 break
             step += 1
-            x, y = sampler.next()
-            x, y = x.to(job.device), y.to(job.device)
-            sent_before = engine.bytes_sent
-            timer.start(engine)
-            self.clock.start()
-            loss = train_step(job.net, optimizer, x, y, job.dtype, engine.timeline, self.pace)
-            self.clock.stop()
-            timer.stop(engine)
-            self.bytes_sent += engine.bytes_sent - sent_before
+            loss = self.timed_step()
             self.interval_loss += float(loss.detach())
             self.interval_n += 1
             self.slow_down(step)
