@@ -111,7 +111,7 @@ class CNN(nn.Sequential):
             in_ch = out_ch
         side = (image[1] >> len(widths)) * (image[2] >> len(widths)) if image else 0
         first = nn.Linear(widths[-1] * side, hidden) if side else nn.LazyLinear(hidden)
-        super().__init__(_AsImage(math.prod(in_shape)), *layers, nn.Flatten(), first, nn.ReLU(),
+        super().__init__(AsImage(math.prod(in_shape)), *layers, nn.Flatten(), first, nn.ReLU(),
                          nn.Linear(hidden, classes))
 
 
@@ -123,7 +123,7 @@ def _image_shape(in_shape: Sequence[int]) -> tuple[int, int, int] | None:
     return (1, side, side) if len(in_shape) == 1 and side * side == in_shape[0] else None
 
 
-class _AsImage(nn.Module):
+class AsImage(nn.Module):
     """Pass (N, C, H, W) through; view flat square inputs as (N, 1, s, s)."""
 
     def __init__(self, in_features: int) -> None:

@@ -79,6 +79,10 @@ class _DeferredDynamo(types.ModuleType):
         return None
 
     def __getattr__(self, name: str) -> Any:  # anything else (a submodule's import asks for __path__): the real one
+        if name.startswith("__") and name.endswith("__") and name != "__path__":
+            # a module's dunders that it lacks (inspect.getmodule asks every module in sys.modules for __file__):
+            # importing torch._dynamo for those, in the middle of another import, made circular imports
+            raise AttributeError(name)
         return getattr(_real_dynamo(self), name)
 
 

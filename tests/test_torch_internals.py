@@ -164,6 +164,11 @@ DYNAMO_CHECK = textwrap.dedent("""
             f"torch._dynamo for more than graph_break")
     if not torch.equal(p.detach(), torch.full((3,), 0.9)):
         say(f"an optimizer step under the stand-in gave {p.tolist()}")
+    hasattr(sys.modules["torch._dynamo"], "__file__")  # inspect.getmodule asks every module (torch.library does)
+    if "torch._dynamo.eval_frame" in sys.modules:
+        say("a module dunder the stand-in lacks (__file__) imported the real torch._dynamo (inspect.getmodule, "
+            "in the middle of another import: a circular import of torch.distributed.tensor)")
+    import torch.distributed.tensor  # noqa: F401  imports torch.library ops while the stand-in is in place
     disable = torch._dynamo.disable  # anything else: the real module takes the stand-in's place
     import torch._dynamo.utils  # noqa: F401  a submodule loads once
     if type(sys.modules["torch._dynamo"]).__name__ == "_DeferredDynamo" or not callable(disable):

@@ -440,7 +440,7 @@ class LayerProgram:
 
     @classmethod
     def of(cls, model: torch.nn.Module, names: list[str]) -> "LayerProgram | None":
-        from bfexp.models import _AsImage
+        from bfexp.models import AsImage
 
         if not isinstance(model, torch.nn.Sequential) or type(model).forward is not torch.nn.Sequential.forward:
             return None
@@ -454,7 +454,7 @@ class LayerProgram:
             elif type(module) is torch.nn.Conv2d and module.padding_mode == "zeros" and isinstance(module.padding, tuple):
                 steps.append(("conv", module, tuple(where[f"{key}.{n}"] for n in ("weight", "bias") if
                                                         f"{key}.{n}" in where)))
-            elif type(module) in PER_SAMPLE or type(module) is _AsImage:
+            elif type(module) in PER_SAMPLE or type(module) is AsImage:
                 steps.append(("sample", module, ()))
             else:
                 return None

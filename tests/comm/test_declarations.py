@@ -127,15 +127,16 @@ def test_mismatched_declarations_give_every_rank_the_same_error(tmp_path):
 
 
 def test_engine_classes_by_name_and_their_facts():
-    classes = {name: engine_class(name) for name in ("mpi", "nccl", "threads")}
+    classes = {name: engine_class(name) for name in ("mpi", "nccl", "threads", "stacked")}
     facts = {name: (c.name, c.virtual, c.processes, c.device_type) for name, c in classes.items()}
     assert facts == {
         "mpi": ("mpi", False, True, "cpu"),
         "nccl": ("nccl", False, True, "cuda"),
         "threads": ("threads", True, False, "cpu"),
+        "stacked": ("stacked", True, False, "cpu"),
     }
     assert engine_class("threads").available(1000) == (True, "")
-    with pytest.raises(ConfigError, match=r"^engine=gloo; allowed: mpi, nccl, threads$"):
+    with pytest.raises(ConfigError, match=r"^engine=gloo; allowed: mpi, nccl, threads, stacked$"):
         engine_class("gloo")
     with pytest.raises(ConfigError, match=r"^engine.ranks_per_machine=3; allowed: 0 \(one machine\) or a divisor of ranks=8$"):
         local_size_for(8, 3)
