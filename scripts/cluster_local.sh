@@ -68,6 +68,12 @@ set_cpu() {  # HOST FRACTION|none
         [ "$quota" = -1 ] && echo "max $period" >"$dir/cpu.max" || echo "$quota $period" >"$dir/cpu.max"
     fi
     echo "$2" >"$STATE/cpu.$1"
+    # While any host has a quota, the hosts get it even when the rest of this machine is busy (a quota alone is
+    # only a ceiling): their group outweighs everything outside it. Without quotas, the usual equal weight.
+    local weight=1024 h
+    for h in $(hosts); do [ "$(cat "$STATE/cpu.$h" 2>/dev/null || echo none)" = none ] || weight=262144; done
+    if [ -f "$(cgroup_root)/cpu.shares" ]; then echo "$weight" >"$(cgroup_root)/cpu.shares"
+    elif [ -f "$(cgroup_root)/cpu.weight" ]; then echo $((weight == 1024 ? 100 : 10000)) >"$(cgroup_root)/cpu.weight"; fi
 }
 
 set_rate() {  # HOST RATE|none: HTB on the host's interface and on its switch port
@@ -285,10 +291,6 @@ up() {
         mkdir -p "$STATE"
         mountpoint -q "$STATE" || { mount --bind "$STATE" "$STATE"; mount --make-private "$STATE"; }
         mkdir -p "$STATE/uts" "$STATE/mnt" "$STATE/ssh" "$STATE/etc" "$STATE/tmp" "$STATE/run" "$(cgroup_root)"
-        # The hosts get their quota even while the rest of this machine is busy (a quota alone is only a
-        # ceiling): their group outweighs everything outside it.
-        if [ -f "$(cgroup_root)/cpu.shares" ]; then echo 262144 >"$(cgroup_root)/cpu.shares"
-        elif [ -f "$(cgroup_root)/cpu.weight" ]; then echo 10000 >"$(cgroup_root)/cpu.weight"; fi
         echo "$REPO/scripts/cluster_local.sh" >"$STATE/tool"  # how bfexp reshapes the links between jobs
         mkdir -p /run/sshd  # sshd's privilege separation folder
         ssh-keygen -q -t ed25519 -N '' -f "$STATE/ssh/id_ed25519" -C bfexp-cluster
