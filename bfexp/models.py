@@ -443,14 +443,37 @@ def parameter_count(node: Any, in_shape: tuple[int, ...], classes: int) -> int:
 CPU_CHECK_PARAMETERS = 16_000_000
 
 
-@torch.no_grad()
+# check_fits's answers in this process: a sweep's jobs mostly share their model and data (ResNet-50's forward
+# on the meta device, torch's decompositions of every layer, costs ~2 s of CPU, once per job before this).
+# Keyed by the model's class object itself (a user's module imported again is another class) and its resolved
+# options; the value is the parameter count or the refusal's line.
+_FITS: dict[tuple, int | str] = {}
+
+
 def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "the data set",
                tokens: bool = False) -> int:
     """The driver's check of a model against its data: it has parameters to train, takes a batch of
     ``in_shape`` samples, and gives one score per class (``tokens``: samples are token ids, and a score per
     class at every position). A small model is built and run on two zero samples on the CPU; a large one on
     torch's meta device (shapes, no memory, no compute). Returns its parameter count; ConfigError (one line)
-    otherwise, where every rank would raise."""
+    otherwise, where every rank would raise. Asked again in the same process, it answers from memory."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    key = (config.target_of(node, "model"), repr(plain), tuple(in_shape), int(classes), data, bool(tokens))
+    if key not in _FITS:
+        try:
+            _FITS[key] = _check_fits(node, in_shape, classes, data, tokens)
+        except ConfigError as e:
+            _FITS[key] = str(e)
+    got = _FITS[key]
+    if isinstance(got, str):
+        raise ConfigError(got)
+    return got
+
+
+@torch.no_grad()
+def _check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str, tokens: bool) -> int:
     what = f"model._target_={node.get('_target_')!r}"
     if getattr(config.target_of(node, "model"), "takes_tokens", False) and not tokens:
         raise ConfigError(f"{what} takes token ids; {data} gives samples of features shaped {tuple(in_shape)}; "

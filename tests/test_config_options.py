@@ -97,9 +97,17 @@ RUNNER = textwrap.dedent("""
 """)
 
 
+# What makes a job small beyond its steps: no allreduce baseline and a one-step single-rank reference (tests/
+# test_scaling.py runs both at their defaults). A scaling option keeps its reference: it is what it prices.
+SMALL = {"baseline_steps": "0", "scaling.reference_steps": "1"}
+
+
 def args_for(group: str, option: str) -> list[str]:
+    extra = EXTRA.get((group, option), [])
+    given = {o.partition("=")[0] for o in extra}
+    small = [f"{k}={v}" for k, v in SMALL.items() if k not in given and (group != "scaling" or k == "baseline_steps")]
     return [f"{group}={option}", "ranks=2", "steps=4", "log_every=2", "hydra.run.dir=run",
-            *engine_for(group, option), *EXTRA.get((group, option), [])]
+            *engine_for(group, option), *small, *extra]
 
 
 @pytest.fixture(scope="module")
