@@ -166,3 +166,39 @@ def test_cnn_is_sized_from_the_sample_shape_without_lazy_layers(shape, channels,
     assert not any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules())
     assert parameter_count(node, shape, 10) == sum(p.numel() for p in model.parameters()) == by_hand
     assert model(torch.rand(2, *shape)).shape == (2, 10)
+
+
+def test_check_fits_answers_again_from_memory_and_asks_again_for_another_class(tmp_path, monkeypatch):
+    """A sweep's jobs share their model: the second check is the first's answer (a count, or the same refusal);
+    the same options under a class imported again (a user's module edited between commands) are checked anew."""
+    import importlib
+    import sys
+
+    from bfexp import models
+
+    def module(width: int) -> None:
+        (tmp_path / "fitmod.py").write_text(
+            "from torch import nn\n"
+            f"class Net(nn.Sequential):\n    def __init__(self, in_features, classes):\n"
+            f"        super().__init__(nn.Linear(in_features, {width}), nn.Linear({width}, classes))\n"
+            "class Three(nn.Linear):\n    def __init__(self, in_features, classes):\n"
+            "        super().__init__(in_features, 3)\n")
+        sys.modules.pop("fitmod", None)
+        importlib.invalidate_caches()
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    node = OmegaConf.create({"_target_": "fitmod.Net"})
+    module(3)
+    counted = (4 * 3 + 3) + (3 * 2 + 2)
+    assert models.check_fits(node, (4,), 2) == counted
+    calls = []
+    monkeypatch.setattr(models, "_check_fits", lambda *a: calls.append(a) or 0)
+    assert models.check_fits(node, (4,), 2) == counted and calls == []  # from memory
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module(5)
+    assert models.check_fits(node, (4,), 2) == (4 * 5 + 5) + (5 * 2 + 2)  # another class: checked again
+    refused = OmegaConf.create({"_target_": "fitmod.Three"})
+    for _ in range(2):  # 3 scores for 2 classes: the same one line both times
+        with pytest.raises(ConfigError, match=r"gives outputs of shape \(2, 3\) .* allowed: \(batch, classes\)"):
+            models.check_fits(refused, (4,), 2)
