@@ -504,7 +504,7 @@ class Training:
                 next_eval += 1
         # Training is over: the ranks meet (every one-sided operation lands) and agree on how it ended.
         held = optimizer.evaluation_parameters().detach().clone()  # what the rank trains from next, unsettled
-        optimizer.finish()
+        optimizer.quiesce()
         mark(engine, "training loop")
         ended = gather_floats(engine, *(float(self.ended == e) for e in ("stop", results.DIVERGED)))
         if any(ended[1]) and status != results.DIVERGED:
@@ -513,9 +513,11 @@ class Training:
             status = results.INTERRUPTED
             loop = {**self.state(), "time_s": end_s, "next_eval": next_eval, "copies": copies,
                     "cut_order": cut.order, "record": self.record, "held_parameters": held}
+            # Before the settling: what landed after a rank's last step stays unsettled (push-sum's slots).
             label = self.checkpoints.write_unlocked(step, job.model, optimizer, sampler, loop)
             error = (f"stopped at step {step} of rank {engine.rank} "
                      f"({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {label}")
+        optimizer.finish()  # the settled models: what the summary evaluates
         parameters = optimizer.evaluation_parameters().detach().cpu().clone()
         summary = self.summary_unlocked(status, error, step, end_s, records, copies, times)
         optimizer.close()
