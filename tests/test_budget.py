@@ -20,6 +20,7 @@ import torch
 
 from bfexp import results
 from tests.conftest import REPO, run_bfexp
+from tests.mpi_helpers import live_processes
 
 STRAGGLER = ["engine=threads", "model=mlp", "dataset=digits", "heterogeneity=stragglers", "heterogeneity.factor=4",
              "ranks=4", "steps=100000", "log_every=5", "baseline_steps=0", "scaling.reference_steps=1",
@@ -158,6 +159,38 @@ def test_async_push_sum_stopped_mid_budget_keeps_its_mass_and_resumes_bit_for_bi
     assert float((numerators - expected).abs().max()) < 1e-12
     assert float(sum(b["_applied"] for b in saved).abs().max()) > 0.1  # the ranks did train
     assert_resumes_to(run, bfexp.cwd / "whole")
+
+
+@pytest.mark.large
+def test_sigterm_stops_an_asynchronous_budget_run_on_process_ranks_with_a_checkpoint_and_no_process_left(tmp_path):
+    # 4 MPI ranks of async push-sum, one of them 4x slower, under a budget far longer than the test: SIGTERM
+    # to the driver reaches every rank through the run folder; the ranks meet once, write their own steps'
+    # checkpoint and end. Every rank and the MPI launcher are gone within 10 s of the signal.
+    args = ["engine=mpi", "ranks=4", "model=mlp", "dataset=digits", "algorithm=async_push_sum",
+            "topology=one_peer_exp2", "heterogeneity=stragglers", "heterogeneity.factor=4", "steps=100000000",
+            "log_every=5", "baseline_steps=0", "scaling.reference_steps=1", "logger=jsonl", "budget_s=600",
+            "hydra.run.dir=run"]
+    run = tmp_path / "run"
+    proc = start(args, tmp_path)
+    wait_for_records(run, proc, timeout=300)
+    ranks = live_processes("bfexp.worker", str(run))  # the launcher (its command line names the worker) and ranks
+    assert len(ranks) >= 4, ranks
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    left = live_processes("bfexp.worker", str(run))
+    while left and time.monotonic() - sent < 10:
+        time.sleep(0.1)
+        left = live_processes("bfexp.worker", str(run))
+    assert time.monotonic() - sent < 10 and not left, (left, out)
+    s = summary(run)
+    assert s["status"] == "interrupted" and s["ended_by"] == "stop", out
+    # Each rank's own step in the checkpoint; push-sum's weights and what arrived unfolded sum to the rank count.
+    states = checkpoint_states(run, 4)
+    assert [st["step"] for st in states] == s["steps_per_rank"]
+    saved = [st["algorithm"]["buffers"] for st in states]
+    weights = sum(float(b["_saved_weight"]) + float(b["_saved_slot_weights"].sum()) for b in saved)
+    assert abs(weights - 4.0) < 1e-12, weights
 
 
 def cgroups_here() -> bool:
