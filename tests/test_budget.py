@@ -175,7 +175,7 @@ def test_sigterm_stops_an_asynchronous_budget_run_on_process_ranks_with_a_checkp
             "hydra.run.dir=run"]
     run = tmp_path / "run"
     proc = start(args, tmp_path)
-    wait_for_records(run, proc, timeout=300)
+    wait_for_records(run, proc, timeout=600)  # 4 ranks starting beside a busy suite: minutes
     ranks = live_processes("bfexp.worker", str(run))  # the launcher (its command line names the worker) and ranks
     assert len(ranks) >= 4, ranks
     sent = time.monotonic()
@@ -185,7 +185,8 @@ def test_sigterm_stops_an_asynchronous_budget_run_on_process_ranks_with_a_checkp
     while left and time.monotonic() - sent < 10:
         time.sleep(0.1)
         left = live_processes("bfexp.worker", str(run))
-    assert time.monotonic() - sent < 10 and not left, (left, out)
+    took = time.monotonic() - sent
+    assert took < 10 and not left, (f"{took:.1f} s", left, out)
     s = summary(run)
     assert s["status"] == "interrupted" and s["ended_by"] == "stop", out
     # Each rank's own step in the checkpoint; push-sum's weights and what arrived unfolded sum to the rank count.
