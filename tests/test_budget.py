@@ -123,7 +123,7 @@ def assert_resumes_to(run: Path, whole: Path) -> None:
 def test_sigterm_stops_an_asynchronous_budget_run_with_a_checkpoint_that_resumes_bit_for_bit(bfexp):
     # Gossip on virtual ranks: the run stopped by SIGTERM mid-budget and resumed ends where an
     # uninterrupted run ends, to the bit.
-    args = [*STRAGGLER, "algorithm=gossip", "budget_s=4", "eval_every_s=1"]
+    args = [*STRAGGLER, "algorithm=gossip", "budget_s=8", "eval_every_s=1"]
     whole = bfexp(*args, "hydra.run.dir=whole", timeout=600)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     assert_resumes_to(cut_mid_budget(args, bfexp.cwd), bfexp.cwd / "whole")
@@ -144,7 +144,7 @@ def test_async_push_sum_stopped_mid_budget_keeps_its_mass_and_resumes_bit_for_bi
 
     from bfexp.models import build_model
 
-    args = [*STRAGGLER, "algorithm=async_push_sum", "topology=one_peer_exp2", "dtype=float64", "budget_s=4",
+    args = [*STRAGGLER, "algorithm=async_push_sum", "topology=one_peer_exp2", "dtype=float64", "budget_s=8",
             "eval_every_s=1"]
     whole = bfexp(*args, "hydra.run.dir=whole", timeout=600)
     assert whole.returncode == 0, whole.stdout + whole.stderr
@@ -152,7 +152,8 @@ def test_async_push_sum_stopped_mid_budget_keeps_its_mass_and_resumes_bit_for_bi
     states = checkpoint_states(run, 4)
     assert len({st["step"] for st in states}) > 1  # the ranks stopped at steps of their own
     saved = [st["algorithm"]["buffers"] for st in states]
-    assert saved[0]["_saved_slot_weights"].sum() > 0  # the straggler folds 4x less often: mass was waiting for it
+    # Mass usually waits unfolded in some slots here (the straggler folds 4x less often; left out, the numerators
+    # were 0.34 off), but not always: where the straggler's own step sets the cut, every arrival may be folded.
     weights = sum(float(b["_saved_weight"]) + float(b["_saved_slot_weights"].sum()) for b in saved)
     assert abs(weights - 4.0) < 1e-12, weights
     start_model = build_model(OmegaConf.load(run / ".hydra" / "config.yaml").model, (64,), 10, 0, torch.float64)
