@@ -44,8 +44,8 @@ from bfexp import checkpoint, config, results
 if TYPE_CHECKING:  # the driver imports this module too, and does without torch
     import torch
 
-__all__ = ["AVERAGE_BYTES", "END", "Cut", "MergedTail", "RankRecords", "average_models", "eval_times", "merge",
-           "rejoin", "RECORDS_DIR"]
+__all__ = ["AVERAGE_BYTES", "END", "Cut", "MergedTail", "RankRecords", "average_models", "eval_times", "logged",
+           "merge", "rejoin", "RECORDS_DIR"]
 
 RECORDS_DIR = "metrics"  # <run dir>/metrics/rank<N>.jsonl, average.jsonl
 AVERAGE = "average.jsonl"
@@ -78,6 +78,18 @@ class RankRecords:
 
     def write(self, kind: str, **fields: Any) -> None:
         results.append_jsonl(self.path, {"kind": kind, "rank": self.rank, **fields})
+
+
+def logged(run_dir: Path) -> bool:
+    """Whether some rank has written a record of its own (it has trained: an asynchronous budget run's
+    ranks log here, not to metrics.jsonl, and their heartbeats may not say so yet)."""
+    for path in (Path(run_dir) / RECORDS_DIR).glob("rank*.jsonl"):
+        try:
+            if path.stat().st_size > 0:
+                return True
+        except OSError:  # a fresh run's rank removing a stale file
+            continue
+    return False
 
 
 class Cut:

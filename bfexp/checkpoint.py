@@ -321,14 +321,14 @@ class Checkpointer:
     def write_unlocked(self, step: int, model: Any, optimizer: Any, sampler: Any, loop: dict) -> int:
         """Collective, after an asynchronous budget run stopped: every rank writes ITS step's state
         (the ranks stopped at different steps) into one checkpoint, named after the largest step;
-        returns that step (0: no rank had trained a step, so no checkpoint is written)."""
+        returns that step (0: no rank had trained a step, so no checkpoint is written). The rule's state_dict
+        waits for what is in flight, and keeps what landed unsettled (push-sum's slots) as it is."""
         from bfexp.metrics import gather_floats
 
         [steps] = gather_floats(self.engine, float(step))
         label = int(max(steps))
         if label < 1:
             return 0
-        optimizer.finish()
         problem = self._write(label, model, optimizer, sampler, loop, own_step=step)
         self._agree(label, problem, 1.0)
         return label

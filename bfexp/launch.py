@@ -177,7 +177,8 @@ class Ending:
         self.status = results.INTERRUPTED
         if not first:
             return f"interrupted by {name} (a second signal: ended at once)"
-        if not self.hangs.training_started() and not (self.run_dir / results.METRICS).exists():
+        if not (self.hangs.training_started() or (self.run_dir / results.METRICS).exists()
+                or budget.logged(self.run_dir)):
             return f"interrupted by {name} before training started"
         checkpoint.request_stop(self.run_dir, f"{name} to the driver")
         print(f"bfexp: {name}: the ranks stop at their next logging step (log_every={self.cfg.log_every}) and write "

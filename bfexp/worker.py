@@ -296,14 +296,20 @@ class Training:
         try:
             return self.run_unlocked() if self.unlocked else self.run_locked()
         finally:
-            if self.cgroup is not None:  # a CPU-starved rank: out of its cgroup, which goes (bfexp.cgroups)
-                cgroups.leave(self.cgroup)
+            self.speed_up()
 
     def slow_down(self, step: int) -> None:
         """After the first training step (start-up and the first step's one-time costs at full speed):
         a slow process rank under heterogeneity.cpu_quota moves into its own CPU-quota cgroup."""
         if step == self.first and self.cgroup is None:
             self.cgroup = starve(self.cfg, self.engine, self.run_dir)
+
+    def speed_up(self) -> None:
+        """Training is over: a CPU-starved rank leaves its cgroup, which goes (bfexp.cgroups), so that the
+        figures after training (evaluation, the scaling probes) run at the speed of the rest."""
+        if self.cgroup is not None:
+            cgroups.leave(self.cgroup)
+            self.cgroup = None
 
     def timed_step(self) -> torch.Tensor:
         """THE step on this rank's next batch, timed (the job's timer, the rank's clock) and its bytes counted:
@@ -352,6 +358,7 @@ class Training:
             if self.budget_s is not None and self.budget_ends(step):
                 self.ended = "budget"
                 break
+        self.speed_up()
         optimizer.finish()
         mark(engine, "training loop")
         parameters = optimizer.evaluation_parameters().detach().cpu().clone()
@@ -498,13 +505,14 @@ class Training:
         """After an asynchronous budget run's loop: the times this rank did not reach, then (collective)
         how the ranks ended, the checkpoint of a stopped run, the summary."""
         engine, job, optimizer, sampler = self.engine, self.job, self.job.optimizer, self.sampler
+        self.speed_up()
         if self.ended != "stop":  # times this rank did not reach (it stopped early): its last model stands in
             while next_eval < len(times):
                 self.evaluate_own(records, step, times[next_eval], end_s, copies)
                 next_eval += 1
         # Training is over: the ranks meet (every one-sided operation lands) and agree on how it ended.
         held = optimizer.evaluation_parameters().detach().clone()  # what the rank trains from next, unsettled
-        optimizer.finish()
+        optimizer.quiesce()
         mark(engine, "training loop")
         ended = gather_floats(engine, *(float(self.ended == e) for e in ("stop", results.DIVERGED)))
         if any(ended[1]) and status != results.DIVERGED:
@@ -513,9 +521,11 @@ class Training:
             status = results.INTERRUPTED
             loop = {**self.state(), "time_s": end_s, "next_eval": next_eval, "copies": copies,
                     "cut_order": cut.order, "record": self.record, "held_parameters": held}
+            # Before the settling: what landed after a rank's last step stays unsettled (push-sum's slots).
             label = self.checkpoints.write_unlocked(step, job.model, optimizer, sampler, loop)
             error = (f"stopped at step {step} of rank {engine.rank} "
                      f"({checkpoint.stop_reason(self.run_dir) or 'stop requested'}); checkpoint at step {label}")
+        optimizer.finish()  # the settled models: what the summary evaluates
         parameters = optimizer.evaluation_parameters().detach().cpu().clone()
         summary = self.summary_unlocked(status, error, step, end_s, records, copies, times)
         optimizer.close()

@@ -22,8 +22,10 @@ IEEE TAC 2021, analyse this setting: a neighborhood of the optimum whose
 size depends on the degree of asynchrony, the optimum itself when the
 ranks run at one rate; tests/algorithms/test_async.py measures the error of
 a diminishing step, in each rank's own iteration count, with stragglers). Every operation moves mass (x, w) without creating
-or losing any, so sum_i (x_i + slots) and sum_i (w_i + slots) are
-invariant, and z_i -> the average of the x_i(0) when no gradient is added,
+or losing any, so sum_i (w_i + slots) = n, sum_i (x_i + slots) = sum_i
+(x_i(0) + u_i) with u_i the sum of the local updates rank i added (kept,
+``_applied``: the ledger tests/test_budget.py checks the checkpoint
+against), and z_i -> the average of the x_i(0) when no gradient is added,
 on directed and time-varying graphs (t = this rank's own round count).
 
 Consistency under concurrency: a peer's accumulate holds the target's window
@@ -48,7 +50,12 @@ price of the default's stability: digits/MLP, 8 virtual ranks, one 4x
 straggler, 100 steps: consensus distance 0.2-1.5 and accuracy 0.81 with
 the default, 14-8728 and 0.78 with 0). Stopping: ``finish()`` (collective) waits for
 this rank's pushes, meets every rank at a barrier (so every push has
-landed) and folds what arrived; ``close()`` frees the window.
+landed) and folds what arrived; ``close()`` frees the window. A checkpoint
+keeps the window whole instead of folding: (x, w) and the slots as they
+are, so a resumed rank folds each arrival when the uninterrupted one would
+(a fold at the checkpoint adds the same numbers in another order: a run
+stopped mid-budget then resumed ends some 1e-7 away from an uninterrupted
+one).
 """
 
 from __future__ import annotations
@@ -93,6 +100,11 @@ class AsyncPushSum(AsynchronousOptimizer):
         self._saved_numerator = torch.empty(0)  # x, kept for state_dict
         self._pending: list[Handle] = []
         self._saved_weight = torch.ones(1, dtype=torch.float64)  # w, kept for state_dict
+        # What has arrived and is not yet folded in, and its weights, kept for state_dict (a checkpoint
+        # taken where ranks stopped mid-budget holds messages that landed after the rank's last fold).
+        self._saved_slots = torch.zeros(len(srcs), self.x.numel(), dtype=self.x.dtype)
+        self._saved_slot_weights = torch.zeros(len(srcs), dtype=torch.float64)
+        self._applied = torch.zeros_like(self.x)  # u: the local updates this rank added to x (module doc)
 
     @classmethod
     def check_options(cls, **options: Any) -> None:
@@ -112,6 +124,10 @@ class AsyncPushSum(AsynchronousOptimizer):
     def _fold(self) -> None:
         """(x, w) += what arrived, slots emptied; the model := z = x / w."""
         self.wait(self.engine.iwin_update(self.window, 1.0, self._srcs, reset=True))
+        self._debias()
+
+    def _debias(self) -> None:
+        """The model := z = x / w."""
         with self.engine.win_lock(self.window):
             if self.x.device == self.flat.device:
                 torch.div(self.x, self.weight, out=self.flat)
@@ -120,9 +136,10 @@ class AsyncPushSum(AsynchronousOptimizer):
 
     def update(self, communicate: bool) -> None:
         self._wait_pending()
-        step = self.local_update()  # what the local optimizer would add at z
+        step = self.local_update().to(self.x.device)  # what the local optimizer would add at z
         with self.engine.win_lock(self.window):
-            self.x.add_(step.to(self.x.device))
+            self.x.add_(step)
+        self._applied.add_(step)
         if communicate and self.weight >= self.min_weight:  # below the floor: hold, wait for mass to come back
             a = self.mixing_weights()  # this rank's column of A(t), t = its own round
             self._pending.append(
@@ -147,21 +164,26 @@ class AsyncPushSum(AsynchronousOptimizer):
     def settle(self) -> None:
         self.begin_iteration()  # every push has landed: fold them in and de-bias
 
-    # checkpoints: drained first (collective, as every rank checkpoints at the same step), then exact ------
+    # checkpoints: every push landed first (collective, as every rank checkpoints at once), then exact ------
     def state_dict(self) -> dict:
-        self.finish()
-        self._saved_numerator = self.x.detach().clone()
-        self._saved_weight.fill_(self.weight)
+        self.quiesce()  # nothing folded: the slots are kept as they are (module doc)
+        with self.engine.win_lock(self.window):
+            self._saved_numerator = self.x.detach().clone()
+            self._saved_weight.fill_(self.weight)
+        self._saved_slots, self._saved_slot_weights = self.engine.win_slots(self.window)
         return super().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self._saved_numerator = torch.empty_like(self.x)
-        super().load_state_dict(state)  # the local optimizer, the iteration, _saved_numerator, _saved_weight
-        # A fresh window holding the saved numerator and weight exactly (collective, as the resume is).
+        super().load_state_dict(state)  # the local optimizer, the iteration, the saved window, the ledger
+        # A fresh window holding the saved numerator, weight and slots exactly (collective, as the resume is).
         self.engine.win_free(self.window)
         self.x = self.engine.win_create(self._saved_numerator, self.window, self._src_list, self._dst_list,
                                         zero_init=True, weight=float(self._saved_weight))
-        self.begin_iteration()  # z = x / w into the model
+        self.engine.win_set_slots(self.window, self._saved_slots, self._saved_slot_weights)
+        self._debias()  # z = x / w into the model; the slots are folded in where the rank's next step begins
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {"_saved_numerator": self._saved_numerator, "_saved_weight": self._saved_weight}
+        return {"_saved_numerator": self._saved_numerator, "_saved_weight": self._saved_weight,
+                "_saved_slots": self._saved_slots, "_saved_slot_weights": self._saved_slot_weights,
+                "_applied": self._applied}

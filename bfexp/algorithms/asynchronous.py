@@ -5,10 +5,12 @@ for its own one-sided operations on one window. So no exact average can be
 slipped in every H rounds (``global_average_every`` must stay 0), random
 peer choices come from each rank's own stream (never a global RNG, so
 virtual ranks draw as processes do), and ``close()`` frees the window once.
-``finish()`` is collective and the same for all: this rank's own one-sided
-operations complete (``drain``, the rule's), every rank meets at a barrier
-(so every operation has landed), then the rule settles its model
-(``settle``: by default a re-read of the window's model; push-sum folds).
+``finish()`` is collective and the same for all: ``quiesce()`` (this rank's
+own one-sided operations complete, ``drain``, the rule's; then every rank
+meets at a barrier, so every operation has landed), then the rule settles
+its model (``settle``: by default a re-read of the window's model; push-sum
+folds). A checkpoint of a run whose ranks stopped mid-budget is written
+between the two: what has landed and is not yet settled is kept as it is.
 """
 
 from __future__ import annotations
@@ -49,12 +51,18 @@ class AsynchronousOptimizer(DecentralizedOptimizer):
         with self.engine.win_lock(self.window):
             self.flat.copy_(self.model)
 
-    def finish(self) -> None:
-        """Collective: own operations complete, every rank's (a barrier), then the model is settled."""
+    def quiesce(self) -> None:
+        """Collective: own operations complete, then every rank's (a barrier); nothing is settled."""
         if self._closed:
             return
         self.drain()
         self.engine.barrier()
+
+    def finish(self) -> None:
+        """Collective: every operation has landed (``quiesce``), then the model is settled."""
+        if self._closed:
+            return
+        self.quiesce()
         self.settle()
 
     def close(self) -> None:

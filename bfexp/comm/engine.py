@@ -69,6 +69,11 @@ One-sided windows, for asynchronous algorithms (push-sum, gossip):
   ``self_weight * own + sum_j w_j * slot_j``, and the same for p; ``reset``
   zeroes the slots it used. Weights left out average self and all slots.
 * ``win_weight(name)`` is p; ``own / p`` is the de-biased (push-sum) value.
+* ``win_slots(name)``: copies of this rank's slots (what has arrived and is
+  not yet updated in, one row per in-neighbor in ascending rank) and their
+  weights; ``win_set_slots(name, data, weights)`` writes them back: a
+  checkpoint keeps a window whole, so a resumed rank folds in what arrived
+  before the checkpoint exactly when (and in the order) it would have.
 * ``win_lock(name)``: a context manager holding this rank's window memory
   exclusively (no peer's op touches it meanwhile): for a local
   read-modify-write of the own value that peers also change.
@@ -1089,6 +1094,22 @@ class Engine(abc.ABC):
     def win_weight(self, name: str) -> float:
         """The push-sum weight of the own value."""
         return self._window(name).weight
+
+    def win_slots(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of this rank's slots ``(in-neighbors, numel)`` and their weights (float64), read whole."""
+        w = self._window(name)
+        with w.exclusive():
+            return w.data[1:].clone(), torch.from_numpy(w.weights[1:].copy())
+
+    def win_set_slots(self, name: str, data: torch.Tensor, weights: torch.Tensor) -> None:
+        """This rank's slots := ``data`` with ``weights`` (what ``win_slots`` gave: a checkpoint's)."""
+        w = self._window(name)
+        if tuple(data.shape) != tuple(w.data[1:].shape) or tuple(weights.shape) != (len(w.srcs),):
+            raise ValueError(f"win_set_slots({name!r}): slots of shape {tuple(data.shape)} and {tuple(weights.shape)} "
+                             f"weights for a window with {len(w.srcs)} in-neighbors of {w.numel} elements")
+        with w.exclusive():
+            w.data[1:].copy_(data)
+            w.weights[1:] = weights.to(torch.float64).cpu().numpy()
 
     @recorded
     def win_put(

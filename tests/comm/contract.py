@@ -427,6 +427,27 @@ def _win_push_sum(e) -> Any:
     return res
 
 
+@check("window_slots")
+def _win_slots(e) -> Any:
+    """What landed and is not yet updated in, read out and written back into a fresh window (a checkpoint's)."""
+    r, n = e.rank, e.size
+    src, dst = ring_peers(r, n)
+    x = rank_input(r, salt=35)
+    e.win_create(x, "sl", src, dst)
+    e.win_accumulate(x, "sl", dst_weights={k: 0.5 for k in dst})
+    e.barrier()
+    data, weights = e.win_slots("sl")
+    e.barrier()
+    e.win_free("sl")
+    e.win_create(x, "sl", src, dst, weight=1.0)
+    e.win_set_slots("sl", data, weights)
+    res = {"slots": dump(data), "slot_weights": weights.tolist(),
+           "value": dump(e.win_update("sl", 1.0, {j: 1.0 for j in src}, reset=True)), "weight": e.win_weight("sl")}
+    e.barrier()
+    e.win_free("sl")
+    return res
+
+
 @check("window_nonblocking")
 def _win_nonblocking(e) -> Any:
     r, n = e.rank, e.size

@@ -337,6 +337,16 @@ def ref_win_push_sum(out: list, n: int) -> None:
     np.testing.assert_allclose(got_x / got_p[:, None], np.tile(X0.mean(0), (n, 1)), atol=1e-3)
 
 
+def ref_win_slots(out: list, n: int) -> None:
+    Xs = X(n, 7, 35)
+    for r, o in enumerate(out):
+        arrived = 0.5 * Xs[(r - 1) % n] if n > 1 else np.zeros(0)
+        close(o["slots"], arrived)
+        assert o["slot_weights"] == ([0.5] if n > 1 else [])
+        close(o["value"], Xs[r] + (arrived if n > 1 else 0))
+        assert o["weight"] == (1.5 if n > 1 else 1.0)
+
+
 def ref_win_nonblocking(out: list, n: int) -> None:
     Xs = X(n, 7, 34)
     for r, o in enumerate(out):
@@ -371,6 +381,7 @@ REFERENCES: dict[str, Callable[[list, int], None]] = {
     "window_get": ref_win_get,
     "window_accumulate": ref_win_acc,
     "window_push_sum": ref_win_push_sum,
+    "window_slots": ref_win_slots,
     "window_nonblocking": ref_win_nonblocking,
     "comm_time": ref_comm_time,
 }
