@@ -81,6 +81,10 @@ EVAL_RANKS = 512
 # Values a band of a transpose or of the mixing moves at once (``transposed``, ``StackedEngine._mixed``):
 # what stays in cache while it is turned between ranks-last and ranks-first.
 BLOCK = 1 << 18
+# Input values of the ranks a convolutional program forwards at once (LayerProgram): the convolutions'
+# activations of a few ranks stay in cache between the layers, where every rank's at once stream through
+# memory (128 cnn ranks on MNIST, 2 at a time: 2.5 -> 1.1 s a training step here).
+CONV_BLOCK = 1 << 16
 
 
 class StackedEngine(Engine):
@@ -470,10 +474,12 @@ class LayerProgram:
     is one ``baddbmm`` over ranks, a Conv2d one convolution with a group per rank (the ranks' channels
     side by side), the rest on ``(ranks x batch, ...)``. The same arithmetic as each rank's own forward
     (what ``torch.func.vmap`` of the model would run), without vmap's and functional_call's per-call
-    cost or its copies; ``of`` gives None for any other model, which then runs vmapped."""
+    cost or its copies; ``of`` gives None for any other model, which then runs vmapped. A program with
+    convolutions runs a few ranks at a time (``CONV_BLOCK``), its images channels-last."""
 
     def __init__(self, steps: list[tuple[str, torch.nn.Module, tuple[int, ...]]]) -> None:
         self.steps = steps
+        self.convolutional = any(kind == "conv" for kind, _, _ in steps)
 
     @classmethod
     def of(cls, model: torch.nn.Module, names: list[str]) -> "LayerProgram | None":
@@ -501,12 +507,24 @@ class LayerProgram:
 
     def __call__(self, params: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
         """Every rank's forward: ``params`` rank-first (``(ranks, *shape)``), ``x`` ``(ranks, batch, ...)``."""
+        step = max(1, CONV_BLOCK // max(1, x[0].numel())) if self.convolutional else x.shape[0]
+        if step >= x.shape[0]:
+            return self._run(params, x)
+        parts = [torch.split(p, step) for p in params]
+        xs = torch.split(x, step)
+        return torch.cat([self._run(tuple(p[i] for p in parts), xs[i]) for i in range(len(xs))])
+
+    def _run(self, params: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
         ranks, batch = x.shape[0], x.shape[1]
         h, grouped = x, False  # grouped: (batch, ranks x channels, H, W), the layout of a grouped convolution
         for kind, module, at in self.steps:
             if kind == "conv":
-                if not grouped:  # (ranks, batch, C, H, W) -> (batch, ranks x C, H, W)
+                if not grouped:  # (ranks, batch, C, H, W) -> (batch, ranks x C, H, W), channels last in memory
                     h = h.transpose(0, 1).reshape(batch, ranks * h.shape[2], *h.shape[3:])
+                    # as every other engine's images are (bfexp.data.channels_last): the convolution, its
+                    # activations and pooling then run channels-last too (pooling ~9x faster than on NCHW)
+                    h = torch.empty(h.shape, dtype=h.dtype, device=h.device,
+                                    memory_format=torch.channels_last).copy_(h)
                     grouped = True
                 weight = params[at[0]]
                 bias = params[at[1]].reshape(-1) if len(at) > 1 else None
