@@ -730,8 +730,8 @@ def job_refusal(cfg: Any) -> str | None:
 
 def threads_as_fast(cfg: Any, in_shape: tuple[int, ...], classes: int) -> str | None:
     """Why engine=auto leaves a job that stacks to threads, or None: a model with convolutions, whose
-    compute dominates a rank's step either way (the cnn at 128 ranks took about 1.3x the CPU time per
-    training step stacked, and several times as long per evaluation, as its ranks on threads here)."""
+    compute dominates a rank's step either way (the cnn at 128 ranks on MNIST: 1.1-1.5 s of CPU a training
+    step stacked, a few ranks at a time, against 0.9 s for its ranks' own steps one after another here)."""
     from bfexp.models import on_meta
 
     convolutions = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.LazyConv1d, torch.nn.LazyConv2d,
