@@ -28,7 +28,7 @@ from bfexp.errors import ConfigError, DatasetError, number_in
 
 __all__ = ["CIFAR10", "MNIST", "BatchSampler", "Dataset", "Digits", "RankData", "Synthetic", "partition"]
 
-Partition = Literal["iid", "dirichlet", "sorted"]
+Partition = Literal["iid", "dirichlet", "sorted", "shared"]
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 
 
@@ -63,10 +63,16 @@ def partition(labels: np.ndarray, size: int, how: str, alpha: float, rng: np.ran
     iid: a shuffled even split. sorted: contiguous runs of a label-sorted
     order (each rank sees few classes). dirichlet: per class, shares drawn
     from Dir(alpha) (Hsu et al. 2019): small alpha, strong label skew.
+    shared: every rank holds the whole set (one array for all) and draws its
+    mini-batches from it with its own sampler's stream: the only split with
+    more ranks than samples (4096 ranks on digits' 1438 images).
     """
     n = len(labels)
+    if how == "shared":
+        return [np.arange(n)] * size
     if size > n:
-        raise DatasetError(f"ranks={size} exceeds the {n} training samples; allowed: at most {n}")
+        raise DatasetError(f"ranks={size} exceeds the {n} training samples; allowed: at most {n}, or "
+                           "dataset.partition=shared (every rank draws its batches from the whole set)")
     if how == "iid":
         return [np.sort(s) for s in np.array_split(rng.permutation(n), size)]
     if how == "sorted":
@@ -177,9 +183,16 @@ class Dataset:
         shards = partition(y_train, size, self.partition, self.alpha, np.random.default_rng([seed, 1]))
         x_test, y_test = _subsample(x_test, y_test, self.eval_samples, np.random.default_rng([seed, 2]))
         test_x, test_y = torch.from_numpy(self.inputs(x_test)), torch.from_numpy(y_test.astype(np.int64))
-        return [RankData(torch.from_numpy(self.inputs(x_train[shards[r]])),
-                         torch.from_numpy(y_train[shards[r]].astype(np.int64)), test_x, test_y, int(classes),
-                         len(y_train)) for r in ranks]
+        made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # partition=shared: one copy for every rank
+
+        def train(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+            key = id(shards[r])
+            if key not in made:
+                made[key] = (torch.from_numpy(self.inputs(x_train[shards[r]])),
+                             torch.from_numpy(y_train[shards[r]].astype(np.int64)))
+            return made[key]
+
+        return [RankData(*train(r), test_x, test_y, int(classes), len(y_train)) for r in ranks]
 
     def sizes(self, size: int, seed: int) -> tuple[list[int], int]:
         """(each rank's training samples, the held-out samples) at ``size`` ranks, what the driver checks

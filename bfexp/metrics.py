@@ -21,6 +21,8 @@ def consensus_distance(engine: Engine, flat: torch.Tensor) -> float:
     """(1/n) sum_i ||x_i - x_mean||^2: how far the ranks' models are from agreeing (a stacked flat buffer,
     bfexp.comm.stacked, holds every rank's model along its last dimension: the sum runs down dim 0)."""
     x = flat.detach().to(torch.float64)
+    if getattr(engine, "stacked", False):  # the variance over ranks of each element, summed: one pass over the
+        return float(x.var(1, correction=0).sum())  # stack, not two allreduces' copies (0.3 s at 4096 mlp ranks)
     mean = engine.allreduce(x, op="avg")
     local = torch.sum((x - mean) ** 2, dim=0, keepdim=True)
     return float(engine.allreduce(local, op="avg").reshape(-1)[0])

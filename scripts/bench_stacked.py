@@ -1,6 +1,7 @@
 """engine=stacked against engine=threads: whole jobs of the `bfexp` command, measured in one run.
 
     python scripts/bench_stacked.py [--parts default,cnn,scale,sweep] [--mnist-root DIR] [--scale-dataset synthetic]
+                                    [--scale-partition shared]
 
 Every figure is a job's wall time (the command's, start to exit) and the
 peak memory of its process (``/usr/bin/time``'s maximum resident set), each
@@ -18,8 +19,10 @@ start-up that both engines pay and that bounds a whole command's ratio:
                                                         threads / stacked >= 3
 * scale: ``engine=stacked ranks=4096 model=mlp steps=200``: wall and peak
   memory.                                     wall <= 120 s, memory <= 8 GiB
-  (dataset=digits holds 1438 training samples, so 4096 ranks are refused on
-  every engine; --scale-dataset picks the data, synthetic by default.)
+  (--scale-dataset picks the data, synthetic by default; dataset=digits holds
+  1438 training samples, so 4096 ranks of it run only with
+  dataset.partition=shared, every rank drawing from the whole set:
+  --scale-dataset digits --scale-partition shared.)
 * sweep: ``bfexp algorithm=exact_diffusion topology=exp2 -m
   ranks=8,32,128,1024`` (engine=auto: 1024 ranks run stacked) against
   ``engine=threads ranks=128`` of the same study alone.   sweep / alone <= 1
@@ -76,6 +79,7 @@ def main() -> None:
     parser.add_argument("--parts", default="default,cnn,scale,sweep")
     parser.add_argument("--mnist-root", default=None, help="a folder holding MNIST's files (cnn part)")
     parser.add_argument("--scale-dataset", default="synthetic")
+    parser.add_argument("--scale-partition", default=None, help="dataset.partition of the scale part (shared: digits)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", default=None, help="also write the figures here")
     opts = parser.parse_args()
@@ -112,8 +116,9 @@ def main() -> None:
                 out["cnn_ranks_ratio"] = ratio("threads / stacked, cnn 128 ranks, ranks' wall",
                                                t["ranks_wall_s"] / s["ranks_wall_s"], TARGETS["cnn"])
         if "scale" in parts:
+            split = [f"dataset.partition={opts.scale_partition}"] if opts.scale_partition else []
             s = run("scale/stacked-4096", ["engine=stacked", "ranks=4096", "model=mlp", f"dataset={opts.scale_dataset}",
-                                           steps])
+                                           *split, steps])
             out["scale_wall"] = ratio("wall of 4096 stacked ranks (s)", s["wall_s"], TARGETS["scale_wall_s"], higher=False)
             out["scale_memory"] = ratio("peak memory (GiB)", s["gib"], TARGETS["scale_gib"], higher=False)
         if "sweep" in parts:

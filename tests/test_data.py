@@ -14,6 +14,21 @@ def test_partition_covers_every_sample_once(how):
     assert np.array_equal(joined, np.arange(1000))
 
 
+def test_shared_partition_gives_every_rank_the_whole_set_beyond_the_sample_count():
+    """partition=shared: every rank holds all of the training set (so more ranks than samples run), one
+    copy for all, and draws its own batches; the other splits refuse that many ranks, naming it."""
+    assert all(np.array_equal(s, np.arange(3)) for s in partition(np.zeros(3), 5, "shared", 0.5, None))
+    tiny = Digits(partition="shared", test_fraction=0.99)  # 18 training images, 40 ranks
+    ranks = tiny.load_ranks(40, seed=0)
+    whole = Digits(partition="iid", test_fraction=0.99).load(0, 1, seed=0)  # one rank's split is everything
+    assert len(ranks) == 40 and all(r.train_x is ranks[0].train_x for r in ranks)
+    assert torch.equal(ranks[0].train_x, whole.train_x) and torch.equal(ranks[0].train_y, whole.train_y)
+    assert torch.equal(tiny.load(39, 40, seed=0).train_x, whole.train_x)
+    assert not torch.equal(BatchSampler(ranks[0], 4, 0, 0).next()[0], BatchSampler(ranks[1], 4, 0, 1).next()[0])
+    with pytest.raises(DatasetError, match="allowed: at most 18, or dataset.partition=shared"):
+        Digits(partition="iid", test_fraction=0.99).load(0, 40, seed=0)
+
+
 def test_dirichlet_small_alpha_skews_labels():
     labels = np.repeat(np.arange(10), 100)
     def top_class_share(how):

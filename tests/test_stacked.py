@@ -271,10 +271,15 @@ STACKED_MODELS = {  # name -> (a model of one rank, one sample's shape, whether 
 }
 
 
-@pytest.mark.parametrize("name", list(STACKED_MODELS))
-def test_stacked_model_is_one_slice_per_rank(name):
+@pytest.mark.parametrize("name,block", [(name, None) for name in STACKED_MODELS] + [("cnn", 64), ("cnn", 128)])
+def test_stacked_model_is_one_slice_per_rank(name, block, monkeypatch):
     """StackedModel's forward on rank r's batch, and the gradient of every rank's loss, are the model's own
-    with rank r's parameters (the batched layers of LayerProgram, or vmap for another model)."""
+    with rank r's parameters (the batched layers of LayerProgram, or vmap for another model); ``block``:
+    the convolutions run one rank (64 input values) or two ranks (128) at a time, in uneven parts."""
+    import bfexp.comm.stacked as stacked_module
+
+    if block is not None:
+        monkeypatch.setattr(stacked_module, "CONV_BLOCK", block)
     make, shape, batched = STACKED_MODELS[name]
     torch.manual_seed(0)
     base = make().double()
@@ -391,16 +396,22 @@ def test_evaluation_equals_each_ranks_own(monkeypatch, sample):
     np.testing.assert_allclose(accuracy.numpy(), want_accuracy, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("lengths", [[10, 10, 10], [10, 7, 10]])
+@pytest.mark.parametrize("lengths", [[10, 10, 10], [10, 7, 10], "shared"])
 def test_sampler_gives_each_ranks_own_batches(lengths):
     """StackedSampler's rows are each rank's own BatchSampler's batches (its generator, its epochs), over
-    several epochs, equally long shards (drawn in lock step) or not; its state resumes the same batches."""
+    several epochs, equally long shards (drawn in lock step) or not, or one set every rank holds
+    (dataset.partition=shared); its state resumes the same batches."""
     from bfexp.comm.stacked import StackedData, StackedSampler
     from bfexp.data import BatchSampler, RankData
 
     gen = torch.Generator().manual_seed(5)
-    shards = [RankData(torch.randn(k, 2, generator=gen), torch.randint(0, 3, (k,), generator=gen),
-                       torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64), 3, sum(lengths)) for k in lengths]
+    if lengths == "shared":
+        one = RankData(torch.randn(10, 2, generator=gen), torch.randint(0, 3, (10,), generator=gen),
+                       torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64), 3, 10)
+        shards = [one] * 3
+    else:
+        shards = [RankData(torch.randn(k, 2, generator=gen), torch.randint(0, 3, (k,), generator=gen),
+                           torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64), 3, sum(lengths)) for k in lengths]
     stacked = StackedSampler(StackedData(shards), batch_size=3, seed=7)
     own = [BatchSampler(shard, 3, 7, r) for r, shard in enumerate(shards)]
     for step in range(9):  # 3 epochs of 3 batches

@@ -78,6 +78,13 @@ EVAL_BLOCK = 1 << 21
 # n - 1 among them) stand for all, and the summary's ``eval_ranks`` says so. Every rank on the held-out set
 # costs n x samples forwards: 4096 mlp ranks on 2000 samples took 12-22 s an evaluation here, loaded.
 EVAL_RANKS = 512
+# Values a band of a transpose or of the mixing moves at once (``transposed``, ``StackedEngine._mixed``):
+# what stays in cache while it is turned between ranks-last and ranks-first.
+BLOCK = 1 << 18
+# Input values of the ranks a convolutional program forwards at once (LayerProgram): the convolutions'
+# activations of a few ranks stay in cache between the layers, where every rank's at once stream through
+# memory (128 cnn ranks on MNIST, 2 at a time: 2.5 -> 1.1 s a training step here).
+CONV_BLOCK = 1 << 16
 
 
 class StackedEngine(Engine):
@@ -180,17 +187,24 @@ class StackedEngine(Engine):
         call = Call(tensors, inplace=True)
         check_float(call.tensors, "neighbor_allreduce")
         x = self.stack(call.tensors, call)
-        result, degree = self._mixed(x, topology, t, scale)
-        x.copy_(result)
+        degree = self._mixed(x, topology, t, scale)
         delivered = call.deliver(call.flat)
         message = call.nbytes if wire_bytes is None else int(wire_bytes) * self._size
         return self._track("neighbor_allreduce", int(message * degree), started, lambda: delivered)
 
-    def _mixed(self, x: torch.Tensor, topology: Any, t: int, scale: float) -> tuple[torch.Tensor, float]:
-        """``x`` (elements, ranks) mixed by round t of ``topology``: a new (elements, ranks) tensor."""
+    def _mixed(self, x: torch.Tensor, topology: Any, t: int, scale: float,
+               out: torch.Tensor | None = None) -> float:
+        """``x`` (elements, ranks) mixed by round t of ``topology`` into ``out`` (``x`` itself when None);
+        returns the mean out-degree. In bands of about ``BLOCK`` values, each turned ranks-first, mixed
+        and turned back while in cache: a third of the time of the whole product at once (4096 ranks of
+        mlp: 37 against 107 ms here), whose sparse product reads ``x`` across the ranks' stride."""
         work = work_dtype(x.dtype)
         w, degree = self.matrix(topology, t, scale, work)
-        return torch.sparse.mm(w, x.t().to(work)).t().to(x.dtype), degree
+        out = x if out is None else out
+        band = max(1, BLOCK // self._size)
+        for a in range(0, x.shape[0], band):
+            out[a : a + band].copy_(torch.sparse.mm(w, x[a : a + band].t().to(work).contiguous()).t())
+        return degree
 
     def _neighbor_allreduce(
         self, tensors: TensorOrList, self_weight: float | None, src_weights: Any, dst_weights: Any,
@@ -206,9 +220,8 @@ class StackedEngine(Engine):
         call = Call(tensors, inplace)
         check_float(call.tensors, "neighbor_allreduce")
         x = self.stack(call.tensors, call)
-        result, degree = self._mixed(x, self.topology, t, 1.0)
         out = call.out_buffer()
-        out.view(-1, self._size).copy_(result)
+        degree = self._mixed(x, self.topology, t, 1.0, out.view(-1, self._size))
         delivered = call.deliver(out)
         return self._track("neighbor_allreduce", int(call.nbytes * degree), started, lambda: delivered)
 
@@ -359,7 +372,7 @@ class StackedModel(torch.nn.Module):
     def rank_first(self) -> tuple[torch.Tensor, ...]:
         """Each parameter as a contiguous ``(size, *shape)`` copy (differentiable: gradients flow back to
         the stack, whose layout the algorithms' flat buffers share)."""
-        return tuple(p.movedim(-1, 0).contiguous() for p in self.stack)
+        return RankFirst.apply(*self.stack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._own(self.rank_first(), x)
@@ -421,6 +434,34 @@ class StackedModel(torch.nn.Module):
         return torch.linspace(0, self.size - 1, EVAL_RANKS, dtype=torch.float64).round().long()
 
 
+class RankFirst(torch.autograd.Function):
+    """Stacked tensors ``(*shape, n)`` as contiguous ``(n, *shape)`` copies, and their gradients back,
+    each a 2-D transpose ``(k, n) -> (n, k)`` (``transposed``): the same move as ``movedim(-1, 0)
+    .contiguous()``, whose copy (and autograd's strided gradient, copied again into the parameter's
+    layout) ran 2.5-4x slower here (4096 ranks of mlp: 100 -> 40, then 26 ms in bands, a pass)."""
+
+    @staticmethod
+    def forward(ctx: Any, *stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.shapes = [t.shape for t in stacked]
+        return tuple(transposed(t.reshape(-1, t.shape[-1])).view(t.shape[-1], *t.shape[:-1]) for t in stacked)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return tuple(None if g is None else transposed(g.reshape(g.shape[0], -1)).view(shape)
+                     for g, shape in zip(grads, ctx.shapes))
+
+
+def transposed(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous copy of the 2-D ``x`` transposed (always a copy: never a view of ``x``), moved in
+    bands of ``x``'s rows of about ``BLOCK`` values: half the time of one copy of the whole (2048 x 4096
+    float32: 13 against 26 ms here), whose writes stride across more memory than the cache keeps."""
+    out = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype, device=x.device)
+    band = max(16, BLOCK // max(1, x.shape[1]))
+    for a in range(0, x.shape[0], band):
+        out[:, a : a + band].copy_(x[a : a + band].t())
+    return out
+
+
 # Layers without parameters that act on each sample alone: the program runs them on (ranks x batch, ...).
 PER_SAMPLE = (torch.nn.Flatten, torch.nn.ReLU, torch.nn.Tanh, torch.nn.GELU, torch.nn.Sigmoid, torch.nn.SiLU,
               torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Softplus, torch.nn.Identity, torch.nn.MaxPool2d,
@@ -433,10 +474,12 @@ class LayerProgram:
     is one ``baddbmm`` over ranks, a Conv2d one convolution with a group per rank (the ranks' channels
     side by side), the rest on ``(ranks x batch, ...)``. The same arithmetic as each rank's own forward
     (what ``torch.func.vmap`` of the model would run), without vmap's and functional_call's per-call
-    cost or its copies; ``of`` gives None for any other model, which then runs vmapped."""
+    cost or its copies; ``of`` gives None for any other model, which then runs vmapped. A program with
+    convolutions runs a few ranks at a time (``CONV_BLOCK``), its images channels-last."""
 
     def __init__(self, steps: list[tuple[str, torch.nn.Module, tuple[int, ...]]]) -> None:
         self.steps = steps
+        self.convolutional = any(kind == "conv" for kind, _, _ in steps)
 
     @classmethod
     def of(cls, model: torch.nn.Module, names: list[str]) -> "LayerProgram | None":
@@ -464,12 +507,24 @@ class LayerProgram:
 
     def __call__(self, params: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
         """Every rank's forward: ``params`` rank-first (``(ranks, *shape)``), ``x`` ``(ranks, batch, ...)``."""
+        step = max(1, CONV_BLOCK // max(1, x[0].numel())) if self.convolutional else x.shape[0]
+        if step >= x.shape[0]:
+            return self._run(params, x)
+        parts = [torch.split(p, step) for p in params]
+        xs = torch.split(x, step)
+        return torch.cat([self._run(tuple(p[i] for p in parts), xs[i]) for i in range(len(xs))])
+
+    def _run(self, params: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
         ranks, batch = x.shape[0], x.shape[1]
         h, grouped = x, False  # grouped: (batch, ranks x channels, H, W), the layout of a grouped convolution
         for kind, module, at in self.steps:
             if kind == "conv":
-                if not grouped:  # (ranks, batch, C, H, W) -> (batch, ranks x C, H, W)
+                if not grouped:  # (ranks, batch, C, H, W) -> (batch, ranks x C, H, W), channels last in memory
                     h = h.transpose(0, 1).reshape(batch, ranks * h.shape[2], *h.shape[3:])
+                    # as every other engine's images are (bfexp.data.channels_last): the convolution, its
+                    # activations and pooling then run channels-last too (pooling ~9x faster than on NCHW)
+                    h = torch.empty(h.shape, dtype=h.dtype, device=h.device,
+                                    memory_format=torch.channels_last).copy_(h)
                     grouped = True
                 weight = params[at[0]]
                 bias = params[at[1]].reshape(-1) if len(at) > 1 else None
@@ -481,12 +536,15 @@ class LayerProgram:
                 h = h.reshape(batch, ranks, -1, *h.shape[2:]).transpose(0, 1)  # back to (ranks, batch, C, H, W)
                 grouped = False
             if kind == "linear":
-                weight = params[at[0]]  # (ranks, out, in)
-                flat = h.reshape(ranks, -1, h.shape[-1])
+                # (ranks, out, in) @ (ranks, in, rows): the output features-first, whose transpose the next
+                # layer reads as it is; then the weight's gradient comes back contiguous, as RankFirst moves
+                # it (the other way round it came transposed: a strided copy more per step).
+                weight = params[at[0]]
+                rows = h.reshape(ranks, -1, h.shape[-1]).transpose(1, 2)
                 if len(at) > 1:
-                    out = torch.baddbmm(params[at[1]].unsqueeze(1), flat, weight.transpose(1, 2))
+                    out = torch.baddbmm(params[at[1]].unsqueeze(2), weight, rows).transpose(1, 2)
                 else:
-                    out = torch.bmm(flat, weight.transpose(1, 2))
+                    out = torch.bmm(weight, rows).transpose(1, 2)
                 h = out.reshape(*h.shape[:-1], out.shape[-1])
             elif grouped or isinstance(module, ELEMENTWISE_LAYERS):
                 h = module(h)
@@ -588,9 +646,13 @@ class StackedSampler:
         self.batch_size = self.samplers[0].batch_size  # rank 0's, as other engines report it
         self.width = max(s.batch_size for s in self.samplers)
         sizes = [len(shard.train_y) for shard in data.shards]
-        self._offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), dtype=torch.int64)
-        self._x = torch.cat([shard.train_x for shard in data.shards])
-        self._y = torch.cat([shard.train_y for shard in data.shards])
+        if all(shard.train_x is data.shards[0].train_x for shard in data.shards):  # one set for all (shared)
+            self._offsets = torch.zeros(len(sizes), dtype=torch.int64)
+            self._x, self._y = data.shards[0].train_x, data.shards[0].train_y
+        else:
+            self._offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), dtype=torch.int64)
+            self._x = torch.cat([shard.train_x for shard in data.shards])
+            self._y = torch.cat([shard.train_y for shard in data.shards])
         self._even = all(s.batch_size == self.width for s in self.samplers)
         # Equally long shards (the synthetic data, an even split): every rank's batch in a few tensor ops.
         self._lockstep = LockstepBatches(self.samplers) if len(set(sizes)) == 1 else None
@@ -668,8 +730,8 @@ def job_refusal(cfg: Any) -> str | None:
 
 def threads_as_fast(cfg: Any, in_shape: tuple[int, ...], classes: int) -> str | None:
     """Why engine=auto leaves a job that stacks to threads, or None: a model with convolutions, whose
-    compute dominates a rank's step either way (the cnn at 128 ranks took about 1.3x the CPU time per
-    training step stacked, and several times as long per evaluation, as its ranks on threads here)."""
+    compute dominates a rank's step either way (the cnn at 128 ranks on MNIST: 1.1-1.5 s of CPU a training
+    step stacked, a few ranks at a time, against 0.9 s for its ranks' own steps one after another here)."""
     from bfexp.models import on_meta
 
     convolutions = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.LazyConv1d, torch.nn.LazyConv2d,
