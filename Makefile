@@ -31,9 +31,11 @@ WORKERS ?= 4
 # Bytecode for bfexp and the tests first: where PYTHONDONTWRITEBYTECODE is set (as on this project's
 # machines) no process writes it, and each of the suite's ranks and drivers compiled bfexp's modules again
 # (0.6 s of CPU per process; only changed files are compiled here).
+# PYTEST_ARGS: more of pytest's options (.ci/run leaves out the files it runs on the emulated cluster beside).
+PYTEST_ARGS ?=
 test: install
 	$(PY) -m compileall -q bfexp tests scripts > /dev/null
-	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not soak and not large"
+	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not soak and not large" $(PYTEST_ARGS)
 
 # The documentation site (docs/, mkdocs.yml) into site/: the `docs` extra into .venv, the config reference
 # regenerated from the code, then a strict build (a broken link or an unresolved API name fails it).
