@@ -157,6 +157,10 @@ _LOST = ((re.compile(r"Remote daemon:.*\son node\s+(\S+)"), "lost: its daemon st
          (re.compile(r"daemon failed to report back.*?Remote host:\s+(\S+)", re.S),
           "lost: its daemon stopped answering (the host or its link is down)"),
          (re.compile(r"Peer host:\s+(\S+)"), "a rank there ended without a word (killed, or its host is down)"))
+# Open MPI's report of a rank it ended on an MPI error (MPI_ERRORS_ARE_FATAL: help-mpi-errors.txt), the rank
+# being the second number of "[job,rank]"; and the errors that mean a connection to another rank closed.
+_FATAL = re.compile(r"\*\*\* An error occurred in ([^\n]+)\n(?:[^\n]*\n)?[^\n]*\*\*\* reported by process \[\d+,(\d+)\]")
+_PEER_GONE = re.compile(r"socket closed|connection|peer|unreachable", re.I)
 # srun's word on a task ("srun: error: hostB: task 1: Killed") and on tasks it never heard from again.
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$", re.M)
 _SRUN_UNHEARD = "Timed out waiting for job step to complete"
@@ -188,6 +192,19 @@ def lost_host(run_dir: Path) -> str | None:
         m = pattern.search(text)
         if m:
             return f"host {m.group(1)}{_on_host(hosts_of, m.group(1))} {meaning}"
+    # A rank Open MPI ended because its connection to another rank closed: with mpirun, a rank killed on another
+    # machine is often heard of this way first (its own death, reported by its host's daemon, loses the race).
+    reporters = {int(m.group(2)): m.group(1).strip() for m in _FATAL.finditer(text)}
+    gone = [(r, what) for r, what in reporters.items() if _PEER_GONE.search(what)]
+    others = [r for r in sorted(hosts_of) if r not in reporters]
+    if gone and others:
+        named = [f"rank {r}" + (f" on {hosts_of[r]}" if hosts_of[r] else "") for r in others]
+        rank, what = gone[0]
+        said = f"(rank {rank}{' on ' + hosts_of[rank] if hosts_of.get(rank) else ''} lost its connection to it: {what})"
+        if len(named) == 1:
+            return f"{named[0]} ended without a word (killed, or its host or link is down) {said}"
+        return (f"a rank ended without a word (killed, or its host or link is down) {said}; one of "
+                f"{', '.join(named[:8])}{', ...' if len(named) > 8 else ''}")
     tasks = list(_SRUN_TASK.finditer(text))  # srun
     if _SRUN_UNHEARD in text:  # tasks srun never heard from again: their machine is gone
         heard = set().union(*(_task_numbers(m.group(2)) for m in tasks))

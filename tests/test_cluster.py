@@ -195,6 +195,12 @@ LOST = [
      "host hostB (rank 1) lost: its daemon stopped answering"),
     ("An MPI communication peer process has unexpectedly disconnected.\n\n  Local host: hostA\n  Local PID:  23779\n"
      "  Peer host:  hostB\n", "host hostB (rank 1) a rank there ended without a word"),
+    # mpirun under load: rank 0 ended on its closed connection to the killed rank 1 before hostB's daemon said
+    ("[hostA:00000] *** An error occurred in Socket closed\n[hostA:00000] *** reported by process [4143644673,0]\n"
+     "[hostA:00000] *** on a NULL communicator\n[hostA:00000] *** Unknown error\n[hostA:00000] *** "
+     "MPI_ERRORS_ARE_FATAL (processes in this communicator will now abort,\n[hostA:00000] ***    and MPI will "
+     "try to terminate your MPI job as well)\n", "a rank ended without a word (killed, or its host or link is down) "
+     "(rank 0 on hostA lost its connection to it: Socket closed); one of rank 1 on hostB, rank 2 on hostC"),
     ("srun: error: hostB: task 1: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=3.0\n"
      "srun: error: hostA: task 0: Exited with exit code 14\n", "rank 1 on hostB: killed (srun)"),
     # the same under load: srun heard of the aborted rank first, and of the killed one after ending the step
@@ -219,6 +225,19 @@ def test_a_lost_machine_is_named_with_its_ranks(tmp_path, log, said):
     for rank, host in enumerate(["hostA", "hostB", "hostC"]):
         (tmp_path / "heartbeat" / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "host": host}))
     assert lost_host(tmp_path).startswith(said), lost_host(tmp_path)
+
+
+def test_a_rank_killed_on_another_machine_is_named_when_its_peer_is_heard_of_first(tmp_path):
+    """Two ranks: the one Open MPI did not report is the one that vanished."""
+    from bfexp.sessions import lost_host
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "mpiexec.log").write_text(LOST[3][0])
+    (tmp_path / "heartbeat").mkdir()
+    for rank, host in enumerate(["hostA", "hostB"]):
+        (tmp_path / "heartbeat" / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "host": host}))
+    assert lost_host(tmp_path) == ("rank 1 on hostB ended without a word (killed, or its host or link is down) "
+                                   "(rank 0 on hostA lost its connection to it: Socket closed)")
 
 
 def test_a_failure_on_another_machine_names_it():
