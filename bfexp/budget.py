@@ -34,6 +34,7 @@ resumed run restores (``rejoin``) before its first step.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from pathlib import Path
@@ -142,10 +143,33 @@ def average_models(engine: Any, copies: list[torch.Tensor]) -> list[torch.Tensor
 # ---------------------------------------------------------------- the driver's side
 
 
-def read_ranks(run_dir: Path, ranks: int) -> list[list[dict]]:
-    folder = Path(run_dir) / RECORDS_DIR
-    return [results.read_jsonl(folder / f"rank{r}.jsonl") if (folder / f"rank{r}.jsonl").exists() else []
-            for r in range(ranks)]
+# How a rank's train record reads in its file (RankRecords: json.dumps with sorted keys): found without parsing.
+TRAIN_MARK = b'"kind": "train"'
+
+
+class RankFile:
+    """One rank's records as the driver needs them at the end: its other records parsed, its train records
+    (one every log_every steps: hundreds of thousands in a long run) kept as lines, in the order of its
+    clock, and parsed only where a search lands (``loss_at``)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        whole = data[: data.rfind(b"\n") + 1]  # a torn last line is still being written
+        self.train: list[bytes] = []
+        self.others: list[dict] = []
+        for line in whole.split(b"\n"):
+            if TRAIN_MARK in line:
+                self.train.append(line)
+            elif line.strip():
+                self.others.append(json.loads(line))
+
+    def loss_at(self, at: float) -> float | None:
+        """The loss of the rank's last train record at or before time ``at`` (its clock only grows)."""
+        found = bisect.bisect_right(self.train, at, key=lambda line: json.loads(line)["time_s"])
+        return json.loads(self.train[found - 1])["loss"] if found else None
 
 
 def _mean(values: list[float]) -> float | None:
@@ -158,12 +182,12 @@ def merge(run_dir: Path, ranks: int, time_source: str) -> list[dict]:
     evaluated (``time_s``: when the last of them did, by its clock), and the end of training. Each has
     the ranks' mean and worst accuracy, the average model's (where formed), each rank's step and the
     mean of the ranks' latest training loss."""
-    per_rank = read_ranks(run_dir, ranks)
+    per_rank = [RankFile(Path(run_dir) / RECORDS_DIR / f"rank{r}.jsonl") for r in range(ranks)]
     average = {round(r["scheduled_s"], 9): r for r in results.read_jsonl(Path(run_dir) / RECORDS_DIR / AVERAGE)} \
         if (Path(run_dir) / RECORDS_DIR / AVERAGE).exists() else {}
     evals: dict[float, dict[int, dict]] = {}
     for r, records in enumerate(per_rank):
-        for rec in records:
+        for rec in records.others:
             if rec.get("kind") == "eval":
                 evals.setdefault(round(rec["scheduled_s"], 9), {})[r] = rec
     merged = []
@@ -172,10 +196,7 @@ def merge(run_dir: Path, ranks: int, time_source: str) -> list[dict]:
         if len(got) < ranks:
             continue
         at = max(rec["time_s"] for rec in got.values())
-        losses = []
-        for records in per_rank:
-            train = [rec for rec in records if rec.get("kind") == "train" and rec["time_s"] <= at]
-            losses.append(train[-1]["loss"] if train else None)
+        losses = [records.loss_at(at) for records in per_rank]
         steps = [got[r]["step"] for r in range(ranks)]
         acc = [got[r]["accuracy"] for r in range(ranks)]
         avg = average.get(scheduled, {})
@@ -214,9 +235,9 @@ class MergedTail:
     def read_new(self) -> list[dict]:
         fresh = False
         for r, tail in enumerate(self.tails):
-            for rec in tail.read_new():
-                if rec.get("kind") == "train":
-                    self.latest[r], fresh = rec, True
+            train = [line for line in tail.new_lines() if TRAIN_MARK in line]
+            if train:  # only the latest counts: a driver short of CPU keeps up with ranks however fast
+                self.latest[r], fresh = json.loads(train[-1]), True
         seen = [rec for rec in self.latest if rec is not None]
         if not fresh or not seen:
             return []

@@ -138,8 +138,8 @@ def watch(ranks: Ranks, stop: Callable[[], str | None], follow: Callable[[], Non
     or when a rank failed and the rest did not follow it down within FAILURE_GRACE_S."""
     failure_seen_at: float | None = None
     while ranks.running(POLL_S):
+        reason = stop()  # first: a stop signal reaches the ranks however long following their output takes
         follow()
-        reason = stop()
         if reason:
             ranks.end(reason)
             return reason

@@ -229,3 +229,44 @@ def test_a_cpu_starved_process_rank_is_slower_and_leaves_no_cgroup(bfexp):
     assert proc.returncode != 0
     assert summary(bfexp.cwd / "killed")["status"] == "failed"
     assert not cgroups.job_group(bfexp.cwd / "killed").exists()
+
+
+def test_merged_records_equal_a_by_hand_merge_and_following_keeps_only_the_latest(tmp_path):
+    # The driver's merge finds each rank's latest loss by a search over unparsed lines; the reference scans
+    # every parsed record. Ranks at different speeds, evaluations at 0.5 s, a torn line being written.
+    import random
+
+    from bfexp import budget
+
+    rng = random.Random(3)
+    folder = tmp_path / budget.RECORDS_DIR
+    per_rank = []
+    tail = budget.MergedTail(tmp_path, 3)
+    for rank, step_s in enumerate([0.01, 0.013, 0.04]):
+        records, t, step = [], 0.0, 0
+        while t < 2.0:
+            step += 5
+            t += 5 * step_s * rng.uniform(0.5, 1.5)
+            records.append({"kind": "train", "step": step, "time_s": t, "loss": rng.random()})
+            if int(t / 0.5) > int((t - 5 * step_s) / 0.5) or t >= 2.0:
+                when = budget.END if t >= 2.0 else 0.5 * int(t / 0.5)
+                records.append({"kind": "eval", "step": step, "scheduled_s": when, "time_s": t,
+                                "eval_loss": rng.random(), "accuracy": rng.random()})
+        writer = budget.RankRecords(tmp_path, rank)  # what a rank writes with
+        for rec in records:
+            writer.write(**rec)
+        with open(folder / f"rank{rank}.jsonl", "a") as f:
+            f.write('{"kind": "train", "rank": 0, "step": 99')  # torn: being written
+        per_rank.append(records)
+    [followed] = tail.read_new()
+    assert followed["step"] == round(sum(max(r["step"] for r in rs if r["kind"] == "train") for rs in per_rank) / 3)
+    assert tail.read_new() == []  # nothing new
+    merged = budget.merge(tmp_path, 3, "measured")
+    evals = [{r["scheduled_s"]: r for r in rs if r["kind"] == "eval"} for rs in per_rank]
+    common = sorted(set(evals[0]) & set(evals[1]) & set(evals[2]), key=lambda s: (s == budget.END, s))
+    assert [m["scheduled_s"] if m["scheduled_s"] is not None else budget.END for m in merged] == common
+    for m, scheduled in zip(merged, common):
+        at = max(e[scheduled]["time_s"] for e in evals)
+        losses = [[r for r in rs if r["kind"] == "train" and r["time_s"] <= at][-1]["loss"] for rs in per_rank]
+        assert m["time_s"] == at and m["loss"] == pytest.approx(sum(losses) / 3, abs=1e-15)
+        assert m["worst_accuracy"] == min(e[scheduled]["accuracy"] for e in evals)
