@@ -167,11 +167,15 @@ def test_async_push_sum_stopped_mid_budget_keeps_its_mass_and_resumes_bit_for_bi
 
 @pytest.mark.large
 def test_sigterm_stops_an_asynchronous_budget_run_on_process_ranks_with_a_checkpoint_and_no_process_left(tmp_path):
-    # 4 MPI ranks of async push-sum, one of them 4x slower, under a budget far longer than the test: SIGTERM
-    # to the driver reaches every rank through the run folder; the ranks meet once, write their own steps'
-    # checkpoint and end. Every rank and the MPI launcher are gone within 10 s of the signal.
+    # 4 MPI ranks of async push-sum at different speeds (each sleeps 3x its compute and a random delay a step:
+    # ranks that never wait would spin on every core while the last of them starts, minutes under a busy
+    # suite), under a budget far longer than the test: SIGTERM to the driver reaches every rank through the
+    # run folder; the ranks meet once, write their own steps' checkpoint and end. Every rank and the MPI
+    # launcher are gone within 10 s of the signal.
     args = ["engine=mpi", "ranks=4", "model=mlp", "dataset=digits", "algorithm=async_push_sum",
-            "topology=one_peer_exp2", "heterogeneity=stragglers", "heterogeneity.factor=4", "steps=100000000",
+            "topology=one_peer_exp2", "heterogeneity=stragglers", "heterogeneity.slow_ranks=[0,1,2,3]",
+            "heterogeneity.factor=4", "heterogeneity.delay=uniform", "heterogeneity.delay_s=0.005",
+            "steps=100000000",
             "log_every=5", "baseline_steps=0", "scaling.reference_steps=1", "logger=jsonl", "budget_s=600",
             "hydra.run.dir=run"]
     run = tmp_path / "run"
