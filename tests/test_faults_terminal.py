@@ -34,10 +34,16 @@ def env() -> dict:
     return out
 
 
+def as_from_a_terminal() -> None:
+    """SIGHUP at its default in the child, as in a shell at a terminal: the suite itself may run under nohup
+    (a CI runner's), whose ignored SIGHUP every child would inherit."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
     kw.setdefault("stdout", subprocess.DEVNULL)
     kw.setdefault("stderr", subprocess.PIPE)
-    return subprocess.Popen(BFEXP + args, cwd=cwd, env=env(), text=True, **kw)
+    return subprocess.Popen(BFEXP + args, cwd=cwd, env=env(), text=True, preexec_fn=as_from_a_terminal, **kw)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -137,5 +143,6 @@ def test_under_nohup_sighup_stays_ignored():
             "if sys.argv[1] == 'nohup':\n    signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
             "Signals().install()\nprint(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)")
     for mode, ignored in (("nohup", "True"), ("terminal", "False")):
-        out = subprocess.run([sys.executable, "-c", code, mode], env=env(), capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", code, mode], env=env(), capture_output=True, text=True, timeout=60,
+                             preexec_fn=as_from_a_terminal)
         assert out.stdout.strip() == ignored, (mode, out.stdout, out.stderr)
