@@ -153,17 +153,12 @@ class RankFile:
     clock, and parsed only where a search lands (``loss_at``)."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            data = b""
-        whole = data[: data.rfind(b"\n") + 1]  # a torn last line is still being written
         self.train: list[bytes] = []
         self.others: list[dict] = []
-        for line in whole.split(b"\n"):
+        for line in results.JsonlTail(path).new_lines():  # whole lines: a torn last one is still being written
             if TRAIN_MARK in line:
                 self.train.append(line)
-            elif line.strip():
+            else:
                 self.others.append(json.loads(line))
 
     def loss_at(self, at: float) -> float | None:

@@ -198,9 +198,12 @@ def lost_host(run_dir: Path) -> str | None:
     gone = [(r, what) for r, what in reporters.items() if _PEER_GONE.search(what)]
     others = [r for r in sorted(hosts_of) if r not in reporters]
     if gone and others:
-        named = [f"rank {r}" + (f" on {hosts_of[r]}" if hosts_of[r] else "") for r in others]
+        def rank_on(r: int) -> str:
+            return f"rank {r}" + (f" on {hosts_of[r]}" if hosts_of.get(r) else "")
+
+        named = [rank_on(r) for r in others]
         rank, what = gone[0]
-        said = f"(rank {rank}{' on ' + hosts_of[rank] if hosts_of.get(rank) else ''} lost its connection to it: {what})"
+        said = f"({rank_on(rank)} lost its connection to it: {what})"
         if len(named) == 1:
             return f"{named[0]} ended without a word (killed, or its host or link is down) {said}"
         return (f"a rank ended without a word (killed, or its host or link is down) {said}; one of "
