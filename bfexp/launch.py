@@ -249,6 +249,7 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     and status rules (a raising rank records its failure and aborts the others at their next engine call)."""
     import torch
 
+    from bfexp.comm.stacked import freed_memory_kept
     from bfexp.comm.threads import ThreadWorld, routed_output
     from bfexp.errors import RankAborted
     from bfexp.worker import run
@@ -281,7 +282,8 @@ def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | 
     # kernels, which two threads on this shared 2-core machine ran 3-5x slower than one (128 ranks).
     torch.set_num_threads(1 if stacked else intra_op_threads(threads))
     try:
-        with SIGNALS.job() as signals, routed_output(run_dir / results.LOGS_DIR):
+        with SIGNALS.job() as signals, routed_output(run_dir / results.LOGS_DIR), \
+                (freed_memory_kept() if stacked else contextlib.nullcontext()):
             ending = Ending(cfg, run_dir, watch_ranks, signals)
             ranks = ThreadRanks(world, run_dir)
             world.start(rank_main, on_error)

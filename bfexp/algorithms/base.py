@@ -77,7 +77,10 @@ def flatten_parameters_(params: list[torch.nn.Parameter], ranks: int = 0) -> tor
 
     ``ranks`` > 0: the parameters are stacked (bfexp.comm.stacked: the last dimension is the rank), and
     the buffer is ``(numel per rank, ranks)``: row k is element k of every rank's flat model, so the
-    rules' slices of ``flat`` (``flat[a:b]``, a bucket) cut the same elements as on one rank.
+    rules' slices of ``flat`` (``flat[a:b]``, a bucket) cut the same elements as on one rank. Its memory
+    is ranks-first (``flat.t()`` is contiguous), as StackedModel's: each rank's model lies together, so
+    the model's batched kernels and the mixing read it without a transpose, and the buffers a rule makes
+    with ``*_like(flat)`` (which keep its strides) are laid out alike.
     """
     if not params:
         raise ValueError("the optimizer has no parameters")
@@ -85,7 +88,14 @@ def flatten_parameters_(params: list[torch.nn.Parameter], ranks: int = 0) -> tor
     if len(dtypes) != 1:
         raise TypeError(f"parameters must share one dtype, got {sorted(map(str, dtypes))}")
     if ranks:
-        flat = torch.cat([p.detach().reshape(-1, ranks) for p in params])
+        memory = torch.empty(ranks, sum(p.numel() for p in params) // ranks, dtype=params[0].dtype,
+                             device=params[0].device)
+        flat = memory.t()
+        offset = 0
+        for p in params:
+            n = p.numel() // ranks
+            flat[offset : offset + n].copy_(p.detach().reshape(n, ranks))
+            offset += n
     else:
         flat = torch.cat([p.detach().reshape(-1) for p in params])
     offset = 0
