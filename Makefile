@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.bfexp-installed
 
-.PHONY: install run test docs clean
+.PHONY: install run test docs docs-deps clean
 
 # Bytecode: pip's own compiling of what it installs takes one core (torch's 10,000 modules: ~60 s); compileall
 # takes them all. A module that is not Python 3.11 (torch ships one for 3.12's syntax) stays uncompiled, as pip
@@ -37,11 +37,18 @@ test: install
 	$(PY) -m compileall -q bfexp tests scripts > /dev/null
 	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not soak and not large" $(PYTEST_ARGS)
 
-# The documentation site (docs/, mkdocs.yml) into site/: the `docs` extra into .venv, the config reference
-# regenerated from the code, then a strict build (a broken link or an unresolved API name fails it).
-# Not part of `make test`; .ci/run runs both.
-docs: install
+# The documentation site (docs/, mkdocs.yml) into site/: the `docs` extra into .venv (docs-deps, once), the
+# config reference regenerated from the code, then a strict build (a broken link or an unresolved API name
+# fails it). Not part of `make test`; .ci/run runs both (docs-deps while the cluster comes up, the build
+# beside the larger tests).
+DOCS_STAMP := $(VENV)/.bfexp-docs-installed
+$(DOCS_STAMP): $(STAMP)
 	$(PIP) install -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs-deps: $(DOCS_STAMP)
+
+docs: docs-deps
 	$(PY) scripts/gen_reference.py
 	$(VENV)/bin/mkdocs build --strict
 

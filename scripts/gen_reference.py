@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import os
 import re
 import sys
 import typing
@@ -236,7 +237,9 @@ def main() -> None:
             print(f"{OUT.relative_to(REPO)} is stale: run python scripts/gen_reference.py", file=sys.stderr)
             sys.exit(1)
         return
-    OUT.write_text(text)
+    part = OUT.with_name(f".{OUT.name}.part")  # written whole, then moved over: a reader (the reference
+    part.write_text(text)                      # test, beside `make docs` in .ci/run) never sees half of it
+    os.replace(part, OUT)
     print(f"wrote {OUT.relative_to(REPO)}")
 
 
