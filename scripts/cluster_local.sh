@@ -106,6 +106,9 @@ install_packages() {
         command -v slurmctld >/dev/null || want+=(slurm-wlm)
         command -v munged >/dev/null || want+=(munge)
         dpkg -s libpmix2 >/dev/null 2>&1 || want+=(libpmix2)
+        # Slurm's mpi/pmix plugin dlopens the unversioned libpmix.so, which only the -dev package ships
+        # ("srun: error: mpi/pmix_v4: init: ... can not load PMIx library" without it)
+        dpkg -s libpmix-dev >/dev/null 2>&1 || want+=(libpmix-dev)
     fi
     [ ${#want[@]} = 0 ] && return
     export DEBIAN_FRONTEND=noninteractive
