@@ -86,11 +86,13 @@ def summary_of(run_dir: Path) -> tuple[str | None, str | None]:
     return data.get("status"), data.get("error")
 
 
-def run_job(overrides: list[str], run_dir: Path, timeout_s: float = 900.0) -> Outcome:
-    """One ``bfexp`` job into ``run_dir``, waited for (killed past ``timeout_s``: never hangs the soak)."""
+def run_job(overrides: list[str], run_dir: Path, timeout_s: float = 900.0, nice: int = 0) -> Outcome:
+    """One ``bfexp`` job into ``run_dir``, waited for (killed past ``timeout_s``: never hangs the soak);
+    ``nice``: its CPU priority below the caller's (a soak beside other work takes what that leaves)."""
     started = time.monotonic()
     proc = subprocess.Popen(bfexp_command() + overrides + [f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
