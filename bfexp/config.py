@@ -374,6 +374,9 @@ class ScalingConfig:
     # (the kernel's copies of what it sends and receives), paid on top of the wire time; 0: no such cost
     # (RDMA, GPUDirect, or not modeled).
     inter_stack_gbyte_per_s: float = 0.0
+    # GB/s the network between machines forwards in all, every machine's flows together (a switch that is
+    # not non-blocking: the emulated cluster's hosts share one kernel); 0: no such limit.
+    switch_gbyte_per_s: float = 0.0
     # true: ranks are CPU processes sharing this machine's cores (copies slow down past one rank per core).
     shares_cores: bool = False
     # The cores a machine's ranks share (may be a fraction: a CPU quota); null: this machine's processors.
@@ -646,7 +649,7 @@ def validate_scaling(cfg: Any) -> None:
     for key in ("intra_bandwidth_gbyte_per_s", "inter_bandwidth_gbyte_per_s", "reduce_gbyte_per_s"):
         if not (key == "inter_bandwidth_gbyte_per_s" and sc[key] == math.inf):  # inf: an unshaped link
             number_in(f"scaling.{key}", sc[key], low=0, low_open=True)
-    for key in ("intra_latency_s", "inter_latency_s", "inter_stack_gbyte_per_s"):
+    for key in ("intra_latency_s", "inter_latency_s", "inter_stack_gbyte_per_s", "switch_gbyte_per_s"):
         number_in(f"scaling.{key}", sc[key], low=0)
     if sc.get("cores") is not None:
         number_in("scaling.cores", sc.cores, low=0, low_open=True)

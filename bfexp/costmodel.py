@@ -103,6 +103,10 @@ class Cluster:
         ranks outnumber cores.
     stack_bytes_per_s: how fast one core moves a rank's cross-machine bytes (sent
         and received) through its network stack; inf: free (RDMA, GPUDirect).
+    switch_bytes_per_s: how many bytes a second the network between machines forwards
+        in all, every machine's flows together; inf: a non-blocking switch, as a real
+        cluster's. The emulated cluster's hosts share one machine's kernel, which
+        forwards all of their traffic (conf/scaling/emulated.yaml).
     allreduce: "ring" (one flat ring over all ranks) or "hierarchical"
         (reduce-scatter in each machine, ring across machines, all-gather).
     """
@@ -116,6 +120,7 @@ class Cluster:
     cores: float = 0
     allreduce: str = "ring"
     stack_bytes_per_s: float = math.inf
+    switch_bytes_per_s: float = math.inf
 
     def local_size(self, n: int) -> int:
         rpm = self.ranks_per_machine
@@ -140,11 +145,17 @@ class Cluster:
     def intra_s(self, nbytes: float, n: int, messages: int = 1) -> float:
         return messages * self.intra.latency_s + self.contention(n) * nbytes / self.intra.bandwidth_bytes_per_s
 
-    def inter_s(self, wire_bytes: float, n: int, stack_bytes: float | None = None, messages: int = 1) -> float:
+    def inter_s(self, wire_bytes: float, n: int, stack_bytes: float | None = None, messages: int = 1,
+                network_bytes: float | None = None) -> float:
         """A cross-machine transfer: ``wire_bytes`` on the busiest direction of the link, and the rank's
-        network stack moving ``stack_bytes`` (what it sends plus what it receives; default: twice the wire's)."""
+        network stack moving ``stack_bytes`` (what it sends plus what it receives; default: twice the wire's).
+        ``network_bytes``: what every machine sends across at the same time (default: each machine
+        ``wire_bytes``, as in a ring's step), which the switch forwards at ``switch_bytes_per_s`` in all;
+        link and switch are stages of one path, so the slower of the two paces the bytes."""
         stack = 2 * wire_bytes if stack_bytes is None else stack_bytes
-        return self.inter.time(wire_bytes, messages) + self.contention(n) * stack / self.stack_bytes_per_s
+        network = self.machines(n) * wire_bytes if network_bytes is None else network_bytes
+        wire = max(wire_bytes / self.inter.bandwidth_bytes_per_s, network / self.switch_bytes_per_s)
+        return messages * self.inter.latency_s + wire + self.contention(n) * stack / self.stack_bytes_per_s
 
 
 # ---------------------------------------------------------------- collectives
@@ -237,6 +248,7 @@ def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbyte
         machines = n // local
         card_out = [sum(inter_out[m * local : (m + 1) * local]) for m in range(machines)]
         card_in = [sum(inter_in[m * local : (m + 1) * local]) for m in range(machines)]
+    network = sum(inter_out)  # every cross-machine byte of the exchange, through the switch at once
     slowest = 0.0
     for r in range(n):
         inside = max(intra_out[r], intra_in[r])
@@ -246,7 +258,7 @@ def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbyte
             across = max(card_out[m], card_in[m]) if (inter_out[r] or inter_in[r]) else 0.0
         else:
             across = max(inter_out[r], inter_in[r])
-        t_across = cluster.inter_s(across, n, inter_out[r] + inter_in[r]) if across else 0.0
+        t_across = cluster.inter_s(across, n, inter_out[r] + inter_in[r], network_bytes=network) if across else 0.0
         combine = cluster.reduce_s((in_degree[r] + 1) * nbytes, n) if in_degree[r] else 0.0
         slowest = max(slowest, max(t_inside, t_across) + combine)
     return slowest

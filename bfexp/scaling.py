@@ -281,6 +281,7 @@ def cluster(scaling: Mapping[str, Any], cores: int | None = None) -> costmodel.C
         cores=(scaling.get("cores") or cores or processor_count()) if scaling.get("shares_cores", False) else 0,
         allreduce=str(scaling["allreduce"]),
         stack_bytes_per_s=float(scaling.get("inter_stack_gbyte_per_s") or math.inf) * 1e9,
+        switch_bytes_per_s=float(scaling.get("switch_gbyte_per_s") or math.inf) * 1e9,
     )
 
 

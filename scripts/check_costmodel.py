@@ -8,7 +8,9 @@ as root). One rank per host, each host held to ``--cpu`` cores. First, on two ho
 it calibrates what is not the wire: the fixed cost of one large message and how fast a host's network stack
 moves bytes when the link is not the limit (a line through exchanges of --floats/8, /2 and /1 floats, less
 their combine), and how fast a host combines (a weighted add of two vectors); per core (divided by --cpu).
-Then, for each link rate (every used host's link shaped to it) and host count, it times Open MPI's
+Then, on the most hosts with unshaped links, how many bytes a second the emulated network forwards in all
+(every host's traffic crosses this one machine's kernel): from one-peer exchanges, what they took beyond
+their price without that limit (switch_figure). Then, for each link rate (every used host's link shaped to it) and host count, it times Open MPI's
 allreduce (its algorithm pinned: launcher=emulated's allreduce_algorithm), bfexp's allreduce (its own
 ring from 8 MiB), and neighbor_allreduce over ring, exp2 and one-peer exp2 (one round), medians of --reps
 calls each as the slowest rank saw it. (Open MPI's ring posts each step's receive before its send; between
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -170,6 +173,17 @@ def calibrated_figures(cal: dict, cpu: float) -> dict:
     }
 
 
+def switch_figure(figures: dict, measured_s: float, n: int, nbytes: float, cpu: float) -> float:
+    """GB/s that the emulated network forwards in all, from one-peer exchanges on ``n`` unshaped hosts
+    (round 0 of one-peer exp2: each rank sends ``nbytes`` to the next and receives as much, so n x nbytes
+    cross at once): what the exchange took beyond its price with no such limit (per message, stack,
+    combine) is the switch's. All hosts' traffic passes one kernel here, on the cores the hosts' quotas
+    leave: a 2-host calibration cannot see it (two flows), a ring of 4 hosts pays it at every step."""
+    free = model_cluster({**figures, "switch_gbyte_per_s": 0.0}, "none", cpu)
+    rest = modeled(free, "neighbor_one_peer_exp2", n, nbytes)
+    return n * nbytes / max(measured_s - rest, 1e-6) / 1e9
+
+
 def model_cluster(figures: dict, rate: str, cpu: float):
     from bfexp import costmodel
     from bfexp.launchers.emulated import tcp_goodput_gbyte_per_s
@@ -177,7 +191,8 @@ def model_cluster(figures: dict, rate: str, cpu: float):
     link = costmodel.Link(figures["inter_latency_s"], tcp_goodput_gbyte_per_s(rate) * 1e9)
     return costmodel.Cluster(name="emulated", ranks_per_machine=1, intra=link, inter=link, nic_shared=True,
                              reduce_bytes_per_s=figures["reduce_gbyte_per_s"] * 1e9, cores=cpu, allreduce="ring",
-                             stack_bytes_per_s=figures["inter_stack_gbyte_per_s"] * 1e9)
+                             stack_bytes_per_s=figures["inter_stack_gbyte_per_s"] * 1e9,
+                             switch_bytes_per_s=(figures.get("switch_gbyte_per_s") or math.inf) * 1e9)
 
 
 def modeled(cluster, op: str, n: int, nbytes: float) -> float:
@@ -215,9 +230,15 @@ def main(argv: list[str] | None = None) -> None:
           f"stack {figures['inter_stack_gbyte_per_s']:.3g} GB/s per core, "
           f"combine {figures['reduce_gbyte_per_s']:.3g} GB/s per core", flush=True)
     nbytes = 4 * args.size
+    most = max(args.host_counts)
+    unshaped = on_cluster(args, most, "none", "ops")
+    figures["switch_gbyte_per_s"] = switch_figure(figures, unshaped[str(most)]["neighbor_one_peer_exp2"], most,
+                                                  nbytes, args.cpu)
+    print(f"calibrated on {most} hosts, unshaped: the network forwards {figures['switch_gbyte_per_s']:.3g} GB/s "
+          "in all", flush=True)
     rows = []
     for rate in args.rate_list:
-        measured = on_cluster(args, max(args.host_counts), rate, "ops")
+        measured = unshaped if rate == "none" else on_cluster(args, most, rate, "ops")
         cluster = model_cluster(figures, rate, args.cpu)
         for n in args.host_counts:
             for op in OPS:

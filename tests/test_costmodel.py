@@ -201,8 +201,8 @@ def test_ranks_sharing_cores_slow_copies_and_reductions():
 S = 5e8  # a network stack that moves 0.5 GB/s a core
 
 
-def one_per_machine(cores=0.0, stack=S):
-    return Cluster("hosts", 1, Link(A_IN, B_IN), Link(A_OUT, B_OUT), True, R, cores, "ring", stack)
+def one_per_machine(cores=0.0, stack=S, switch=math.inf):
+    return Cluster("hosts", 1, Link(A_IN, B_IN), Link(A_OUT, B_OUT), True, R, cores, "ring", stack, switch)
 
 
 def test_one_rank_per_machine_ring_has_no_hop_inside_a_machine_and_pays_the_stack():
@@ -227,6 +227,24 @@ def test_an_exchange_pays_the_stack_for_what_a_rank_sends_and_receives():
     # one-peer exp2: M out, M in
     expected = 1e-4 + M / 1e9 + 2 * M / S + 2 * M / R
     assert close(costmodel.exchange_s(one_per_machine(), 4, costmodel.topology_edges(OnePeerExp2(4), 0), M), expected)
+
+
+def test_a_switch_that_forwards_less_than_every_link_paces_the_steps_it_cannot_keep_up_with():
+    # the emulated cluster's hosts share one kernel: every machine's bytes of a step pass it at once
+    n, chunk, sw = 4, 250_000, 5e8  # the switch forwards 0.5 GB/s in all
+    switched = one_per_machine(switch=sw)
+    # a ring step: 4 chunks cross at once, 4 x 250 kB / 0.5 GB/s = 2 ms, slower than one link's 0.25 ms
+    expected = 6 * (1e-4 + 4 * chunk / sw + 2 * chunk / S) + 0.75 * M / R
+    assert close(costmodel.ring_allreduce_s(switched, n, M), expected)
+    # static exp2 exchange: 8 messages of M cross the switch (16 ms) against a card's 2M (2 ms)
+    expected = 1e-4 + 8 * M / sw + 4 * M / S + 3 * M / R
+    assert close(costmodel.exchange_s(switched, 4, costmodel.topology_edges(Exp2(4), 0), M), expected)
+    # one message alone (0 -> 1) has the switch to itself: M / 0.5 GB/s; the receiver also combines
+    expected = 1e-4 + M / sw + M / S + 2 * M / R
+    assert close(costmodel.exchange_s(switched, 4, [(0, 1)], M), expected)
+    # a switch faster than the links need changes nothing: 4 x 250 kB at 10 GB/s = 0.1 ms < 0.25 ms
+    assert close(costmodel.ring_allreduce_s(one_per_machine(switch=1e10), n, M),
+                 costmodel.ring_allreduce_s(one_per_machine(), n, M))
 
 
 def test_bad_layouts_are_refused():

@@ -37,6 +37,12 @@ def test_the_scaling_config_prices_the_launchers_link_and_quota():
     assert cluster.cores == 0.25 and cluster.contention(4) == 4.0  # one rank on a quarter of a core
     assert cluster.ranks_per_machine == 1 and cluster.local_size(4) == 1
     assert cluster.stack_bytes_per_s == pytest.approx(float(cfg.scaling.inter_stack_gbyte_per_s) * 1e9)
+    assert cfg.scaling.switch_gbyte_per_s > 0  # the hosts' one kernel forwards all their traffic
+    assert cluster.switch_bytes_per_s == pytest.approx(float(cfg.scaling.switch_gbyte_per_s) * 1e9)
+    # the other clusters' switches keep up with every link
+    with initialize_config_module(config_module="bfexp.conf", version_base=None):
+        real = scaling.cluster(compose(config_name="config", overrides=["scaling=h100_cluster"]).scaling)
+    assert real.switch_bytes_per_s == float("inf")
 
 
 @pytest.mark.parametrize("overrides, words", [
