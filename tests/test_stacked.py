@@ -434,28 +434,22 @@ def test_sampler_gives_each_ranks_own_batches(lengths):
     assert stacked.epoch == own[0].epoch
 
 
-def test_large_tensors_come_from_the_heap_while_a_stacked_job_runs_and_go_back_after():
-    """Inside freed_memory_kept glibc serves a 64 MiB tensor from its heap (the program break moves),
-    whose freed memory it keeps for the next tensors, where by default it maps (and unmaps) each one
-    apart; afterwards the defaults are back and the kept memory is returned."""
+def test_large_tensors_come_from_the_heap_while_a_stacked_job_runs():
+    """Inside freed_memory_kept glibc serves a 64 MiB tensor from its heap (below the program break), whose
+    freed memory it keeps for the next tensors, where by default it maps each one apart (above the break,
+    given back when freed); afterwards the defaults are back."""
     import ctypes
 
     from bfexp.comm.stacked import freed_memory_kept
 
     libc = ctypes.CDLL(None)
     libc.sbrk.restype = ctypes.c_void_p
-    size = 1 << 26
 
-    def heap_growth() -> int:
-        before = libc.sbrk(0)
-        t = torch.ones(size // 4)
-        grew = libc.sbrk(0) - before
-        del t
-        return grew
+    def on_the_heap() -> bool:
+        t = torch.ones(1 << 24)  # 64 MiB
+        return t.data_ptr() < libc.sbrk(0)
 
-    assert heap_growth() < size // 2  # mapped apart
+    assert not on_the_heap()  # mapped apart
     with freed_memory_kept():
-        assert heap_growth() > size // 2
-        top = libc.sbrk(0)
-    assert heap_growth() < size // 2
-    assert libc.sbrk(0) < top  # malloc_trim gave the kept memory back
+        assert on_the_heap()
+    assert not on_the_heap()
