@@ -85,9 +85,6 @@ class Link:
     latency_s: float
     bandwidth_bytes_per_s: float
 
-    def time(self, nbytes: float, messages: int = 1) -> float:
-        return messages * self.latency_s + nbytes / self.bandwidth_bytes_per_s
-
 
 @dataclass(frozen=True)
 class Cluster:

@@ -10,10 +10,10 @@ moves bytes when the link is not the limit (a line through exchanges of --floats
 their combine), and how fast a host combines (a weighted add of two vectors); per core (divided by --cpu).
 Then, on the most hosts with unshaped links, how many bytes a second the emulated network forwards in all
 (every host's traffic crosses this one machine's kernel): from one-peer exchanges, what they took beyond
-their price without that limit (switch_figure). Then, for each link rate (every used host's link shaped to it) and host count, it times Open MPI's
-allreduce (its algorithm pinned: launcher=emulated's allreduce_algorithm), bfexp's allreduce (its own
-ring from 8 MiB), and neighbor_allreduce over ring, exp2 and one-peer exp2 (one round), medians of --reps
-calls each as the slowest rank saw it. (Open MPI's ring posts each step's receive before its send; between
+their price without that limit (switch_figure). Then, for each link rate (every used host's link shaped
+to it) and host count, it times Open MPI's allreduce (its algorithm pinned: launcher=emulated's
+allreduce_algorithm), bfexp's allreduce (its own ring from 8 MiB), and neighbor_allreduce over ring, exp2
+and one-peer exp2 (one round), medians of --reps calls each as the slowest rank saw it. (Open MPI's ring posts each step's receive before its send; between
 two ranks over TCP the two directions then take turns: one-peer exchanges of 16.8 MB at 1 Gbit/s took
 300 ms posted receive-first, 162 ms send-first, as bfexp's engine posts them. Its price at 2 hosts says so.)
 Beside each, the cost model's price (bfexp/costmodel.py) on the

@@ -400,11 +400,10 @@ class StackedModel(torch.nn.Module):
         params = [p for _, p in model.named_parameters()]
         self._names = [name for name, _ in model.named_parameters()]
         self._shapes = [tuple(p.shape) for p in params]
-        memory = torch.empty(self.size, sum(p.numel() for p in params), dtype=params[0].dtype)
-        offset = 0
-        for p in params:
-            memory[:, offset : offset + p.numel()] = p.detach().reshape(1, -1)
-            offset += p.numel()
+        self._spans = spans(self._shapes)
+        memory = torch.empty(self.size, self._spans[-1][1], dtype=params[0].dtype)
+        for p, (a, b) in zip(params, self._spans):
+            memory[:, a:b] = p.detach().reshape(1, -1)
         self.flat = torch.nn.Parameter(memory.t(), requires_grad=any(p.requires_grad for p in params))
         object.__setattr__(self, "_base", model)
 
@@ -435,12 +434,7 @@ class StackedModel(torch.nn.Module):
         """``flat`` (the parameter's values by default, or a gradient shaped like it) as one view per
         layer parameter, ranks last: ``(*shape, size)``, rank r's value ``[..., r]``."""
         flat = self.flat.detach() if flat is None else flat
-        views, offset = [], 0
-        for shape in self._shapes:
-            k = math.prod(shape)
-            views.append(flat[offset : offset + k].view(*shape, self.size))
-            offset += k
-        return tuple(views)
+        return tuple(flat[a:b].view(*shape, self.size) for shape, (a, b) in zip(self._shapes, self._spans))
 
     def rank_first(self) -> tuple[torch.Tensor, ...]:
         """Each layer parameter as a ``(size, *shape)`` view of ``flat``'s ranks-first memory (differentiable:
@@ -522,28 +516,29 @@ class RankViews(torch.autograd.Function):
         memory = flat.t()  # (n, numel): rank r's model in row r
         if memory.stride(1) != 1:  # another layout: one copy ranks-first
             memory = memory.contiguous()
-        n, views, offset = memory.shape[0], [], 0
-        for shape in shapes:
-            k = math.prod(shape)
-            views.append(memory[:, offset : offset + k].view(n, *shape))
-            offset += k
-        return tuple(views)
+        n = memory.shape[0]
+        return tuple(memory[:, a:b].view(n, *shape) for shape, (a, b) in zip(shapes, spans(shapes)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
         like = next(g for g in grads if g is not None)
-        n = like.shape[0]
-        memory = torch.empty(n, sum(math.prod(s) for s in ctx.shapes), dtype=like.dtype, device=like.device)
-        offset = 0
-        for g, shape in zip(grads, ctx.shapes):
-            k = math.prod(shape)
-            part = memory[:, offset : offset + k]
+        n, where = like.shape[0], spans(ctx.shapes)
+        memory = torch.empty(n, where[-1][1], dtype=like.dtype, device=like.device)
+        for g, (a, b) in zip(grads, where):
             if g is None:
-                part.zero_()
+                memory[:, a:b].zero_()
             else:
-                part.copy_(g.reshape(n, k))
-            offset += k
+                memory[:, a:b].copy_(g.reshape(n, b - a))
         return memory.t(), None
+
+
+def spans(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """Where each layer parameter of these shapes lies in one rank's flat model: ``(start, stop)``."""
+    out, start = [], 0
+    for shape in shapes:
+        out.append((start, start + math.prod(shape)))
+        start = out[-1][1]
+    return out
 
 
 # Layers without parameters that act on each sample alone: the program runs them on (ranks x batch, ...).
