@@ -74,6 +74,7 @@ def test_every_job_records_where_it_ran(study):
         assert job["status"] == "completed"
         cluster = job["emulated_cluster"]
         assert cluster["hosts"] == ["hostA", "hostB", "hostC"] and cluster["allreduce_algorithm"] == "ring"
+        assert cluster["wait"] == "sleep"
         assert set(cluster["cpu_per_host"].values()) == {"0.4"}
         assert len(set(cluster["link_rate"].values())) == 1
         assert job["run_machines"] == HOSTS and job["contention"] is None
@@ -94,8 +95,8 @@ def test_measured_step_times_are_what_the_cost_model_prices(study):
 
 def test_one_host_is_its_own_reference(folder):
     proc = bfexp(folder, "+experiment=bandwidth_study", "ranks=1", "steps=24", "log_every=8",
-                 "scaling.reference_steps=8", "hydra.run.dir=one")
+                 "scaling.reference_steps=8", "launcher.wait=yield", "hydra.run.dir=one")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     job = json.loads((folder / "one" / "summary.json").read_text())
     assert 0.9 <= job["scaling_efficiency"] <= 1.1
-    assert job["emulated_cluster"]["hosts"] == ["hostA"]
+    assert job["emulated_cluster"]["hosts"] == ["hostA"] and job["emulated_cluster"]["wait"] == "yield"

@@ -6,6 +6,8 @@ the hosts it uses to ``link_rate`` and gives each host ``cpu`` cores before the 
 vary the link: ``-m launcher.link_rate=200mbit,1gbit``), and starts mpirun on the first host (from this
 machine, through the cluster's own entry; on a host, directly). Open MPI's allreduce runs the algorithm
 ``allreduce_algorithm`` names, so that what is measured is one known algorithm (the cost model prices it).
+A rank that waits in MPI sleeps between polls (``wait``, WAITS), and TCP moves large messages as fragments
+(TRANSPORT): both because the hosts share this machine's cores and kernel, and both measured below.
 The summary records the hosts, the rate and the quota (``emulated_cluster``).
 
 The cluster keeps its state in ``/run/bfexp-cluster`` (hosts, each host's rate and quota, the path of the
@@ -27,7 +29,7 @@ from bfexp.errors import ConfigError, LaunchError, number_in
 from bfexp.launchers.base import PROBE_S, find_mpiexec
 from bfexp.launchers.mpirun import NOT_SHARED, STALE_SESSION_FOLDERS, Mpirun
 
-__all__ = ["ALLREDUCE_ALGORITHMS", "Emulated", "STATE", "link_rate_bits", "tcp_goodput_gbyte_per_s"]
+__all__ = ["ALLREDUCE_ALGORITHMS", "Emulated", "STATE", "WAITS", "link_rate_bits", "tcp_goodput_gbyte_per_s"]
 
 STATE = Path("/run/bfexp-cluster")
 INTERFACE = "clu0"  # every host's one interface (scripts/cluster_local.sh)
@@ -35,6 +37,23 @@ INTERFACE = "clu0"  # every host's one interface (scripts/cluster_local.sh)
 # tuned --level 9` lists them): the one pinned for the job.
 ALLREDUCE_ALGORITHMS = {"basic_linear": 1, "nonoverlapping": 2, "recursive_doubling": 3, "ring": 4,
                         "segmented_ring": 5, "rabenseifner": 6}
+# Open MPI's TCP transport moves a large message as sends of 128 KiB fragments, not as one put of the whole
+# rest: with the put, two ranks that start an exchange within a moment of each other (as after a barrier) take
+# turns at random, one's acknowledgment waiting behind the other's whole message. Measured here (Open MPI's
+# ring allreduce of 16.8 MB on 2 hosts at 500 Mbit/s, 12 calls right after a barrier): 284 to 566 ms with the
+# put, 285 to 333 ms without (the wire alone: 281 ms).
+TRANSPORT = ["--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum"]
+# How a rank waits in MPI (launcher.wait), as Open MPI arguments. The hosts share this machine's cores with each
+# other and with the kernel that carries their traffic (veth pairs, the bridge): a rank that spins in MPI_Wait
+# (Open MPI's default) burns its host's quota and holds a core that a peer's packets need, so a message waits
+# for the next quota period or scheduler slice. Measured here (2 hosts at 0.4 cores, exchanges of 16.8 MB each
+# way, medians of 15): spin 86-107 ms (one float: 15 ms), yield 29-34 ms, sleep 26 ms (one float: 0.3 ms).
+WAITS = {
+    "sleep": ["--mca", "mpi_yield_when_idle", "1", "--mca", "threads_pthreads_yield_strategy", "nanosleep",
+              "--mca", "threads_pthreads_nanosleep_time", "20000"],  # 20 us asleep between polls
+    "yield": ["--mca", "mpi_yield_when_idle", "1"],  # sched_yield between polls (oversubscribed nodes' default)
+    "spin": [],  # Open MPI's default: poll without pause (a machine of its own)
+}
 RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
 # TCP over Ethernet at MTU 1500 with timestamps: 1448 bytes of payload in each 1514-byte frame that the
 # shaper counts (14 bytes of Ethernet header, 20 of IP, 20 of TCP, 12 of the timestamp option).
@@ -63,13 +82,14 @@ class Emulated(Mpirun):
 
     ranks_per_host: ranks on each host (1: every exchange crosses a link). link_rate: each used host's link,
     e.g. 1gbit, or none (unshaped). cpu: cores each used host gets (a CFS quota), or null (no quota).
-    allreduce_algorithm: Open MPI's allreduce, pinned (ALLREDUCE_ALGORITHMS).
+    allreduce_algorithm: Open MPI's allreduce, pinned (ALLREDUCE_ALGORITHMS). wait: how a rank waits in MPI
+    (WAITS): sleep (default), yield or spin.
     """
 
     name: ClassVar[str] = "emulated"
 
     def __init__(self, ranks_per_host: int = 1, link_rate: str = "1gbit", cpu: float | None = 0.4,
-                 allreduce_algorithm: str = "ring", extra_args: Sequence[str] = ()) -> None:
+                 allreduce_algorithm: str = "ring", wait: str = "sleep", extra_args: Sequence[str] = ()) -> None:
         number_in("launcher.ranks_per_host", ranks_per_host, low=1, integer=True)
         link_rate_bits(link_rate)
         if cpu is not None:
@@ -77,6 +97,9 @@ class Emulated(Mpirun):
         if allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
             raise ConfigError(f"launcher.allreduce_algorithm={allreduce_algorithm}; "
                               f"allowed: {', '.join(ALLREDUCE_ALGORITHMS)}")
+        if wait not in WAITS:
+            raise ConfigError(f"launcher.wait={wait}; allowed: {', '.join(WAITS)}")
+        self.wait = wait
         self.per_host = int(ranks_per_host)
         self.link_rate = str(link_rate)
         self.cpu = None if cpu is None else float(cpu)
@@ -177,7 +200,7 @@ class Emulated(Mpirun):
         self.hosts_spec = ",".join(f"{h}:{n}" for h, n in self.hosts(ranks))
         pinned = ["--mca", "coll_tuned_use_dynamic_rules", "1",
                   "--mca", "coll_tuned_allreduce_algorithm", str(ALLREDUCE_ALGORITHMS[self.allreduce_algorithm])]
-        argv = super().command(ranks, program, [*pinned, *mpiexec_args])
+        argv = super().command(ranks, program, [*pinned, *TRANSPORT, *WAITS[self.wait], *mpiexec_args])
         return argv if self.on_a_host() else self.on_host(self.cluster_hosts()[0], argv)
 
     def unreachable(self, hosts: Sequence[str]) -> dict[str, str]:
@@ -212,4 +235,4 @@ class Emulated(Mpirun):
         return {"emulated_cluster": {"hosts": used, "ranks_per_host": self.per_host,
                                      "link_rate": {h: state(f"rate.{h}") for h in used},
                                      "cpu_per_host": {h: state(f"cpu.{h}") for h in used},
-                                     "allreduce_algorithm": self.allreduce_algorithm}}
+                                     "allreduce_algorithm": self.allreduce_algorithm, "wait": self.wait}}
