@@ -13,9 +13,11 @@ it (network-card contention). When ranks are CPU processes that outnumber the
 cores they share (``shares_cores``), every copy and reduction slows down by
 ranks / cores (cores may be a fraction: a CPU quota). Over TCP on CPUs a
 rank also moves every byte it sends or receives across machines through its
-kernel's network stack (``stack``: bytes per second of one core); on the
-emulated cluster's hosts that time adds to the wire time instead of hiding
-under it (scripts/check_costmodel.py measures both).
+kernel's network stack (``stack``: bytes per second of one core). The stack,
+the link and the switch are stages of one pipeline, and the slowest paces the
+bytes: on the emulated cluster's hosts the stack hides under a shaped link once
+a waiting rank stops spinning in MPI (launcher.wait=sleep), and is the whole
+cost of an unshaped one (scripts/check_costmodel.py measures both).
 
 Step time = compute + the communication that backward does not hide
 (``overlap``), averaged over a local-SGD period (communication every
@@ -147,12 +149,13 @@ class Cluster:
         """A cross-machine transfer: ``wire_bytes`` on the busiest direction of the link, and the rank's
         network stack moving ``stack_bytes`` (what it sends plus what it receives; default: twice the wire's).
         ``network_bytes``: what every machine sends across at the same time (default: each machine
-        ``wire_bytes``, as in a ring's step), which the switch forwards at ``switch_bytes_per_s`` in all;
-        link and switch are stages of one path, so the slower of the two paces the bytes."""
+        ``wire_bytes``, as in a ring's step), which the switch forwards at ``switch_bytes_per_s`` in all.
+        The stack, the link and the switch are stages of one pipeline: the slowest paces the bytes."""
         stack = 2 * wire_bytes if stack_bytes is None else stack_bytes
         network = self.machines(n) * wire_bytes if network_bytes is None else network_bytes
-        wire = max(wire_bytes / self.inter.bandwidth_bytes_per_s, network / self.switch_bytes_per_s)
-        return messages * self.inter.latency_s + wire + self.contention(n) * stack / self.stack_bytes_per_s
+        stages = (wire_bytes / self.inter.bandwidth_bytes_per_s, network / self.switch_bytes_per_s,
+                  self.contention(n) * stack / self.stack_bytes_per_s)
+        return messages * self.inter.latency_s + max(stages)
 
 
 # ---------------------------------------------------------------- collectives

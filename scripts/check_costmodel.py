@@ -1,21 +1,21 @@
 """Check the cost model against operations measured on the emulated cluster, and calibrate it.
 
     python scripts/check_costmodel.py [--hosts 2,3,4] [--rates 200mbit,500mbit,1gbit,2gbit] [--cpu 0.4]
-                                      [--floats 4M] [--reps 5] [--json PATH]
+                                      [--floats 4M] [--reps 5] [--calibrations 3] [--wait sleep] [--json PATH]
 
 Needs the cluster up with as many hosts as the largest count (``scripts/cluster_local.sh up --hosts 4``,
 as root). One rank per host, each host held to ``--cpu`` cores. First, on two hosts with unshaped links,
 it calibrates what is not the wire: the fixed cost of one large message and how fast a host's network stack
 moves bytes when the link is not the limit (a line through exchanges of --floats/8, /2 and /1 floats, less
-their combine), and how fast a host combines (a weighted add of two vectors); per core (divided by --cpu).
+their combine), and how fast a host combines (a weighted add of two vectors); per core (divided by --cpu);
+each figure the median of --calibrations such runs.
 Then, on the most hosts with unshaped links, how many bytes a second the emulated network forwards in all
 (every host's traffic crosses this one machine's kernel): from one-peer exchanges, what they took beyond
 their price without that limit (switch_figure). Then, for each link rate (every used host's link shaped
 to it) and host count, it times Open MPI's allreduce (its algorithm pinned: launcher=emulated's
 allreduce_algorithm), bfexp's allreduce (its own ring from 8 MiB), and neighbor_allreduce over ring, exp2
-and one-peer exp2 (one round), medians of --reps calls each as the slowest rank saw it. (Open MPI's ring posts each step's receive before its send; between
-two ranks over TCP the two directions then take turns: one-peer exchanges of 16.8 MB at 1 Gbit/s took
-300 ms posted receive-first, 162 ms send-first, as bfexp's engine posts them. Its price at 2 hosts says so.)
+and one-peer exp2 (one round), medians of --reps calls each as the slowest rank saw it. The ranks run as
+launcher=emulated starts them (its wait and TCP transport settings).
 Beside each, the cost model's price (bfexp/costmodel.py) on the
 cluster those figures describe: the link at the rate's TCP payload rate, the calibrated latency, stack and
 combine at the quota. It prints measured, modeled and their ratio, the median and worst ratio, and the
@@ -53,14 +53,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--floats", default="4M", help="float32 elements per message (default 4M: 16.8 MB)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per operation; medians are kept (default 5)")
     p.add_argument("--allreduce-algorithm", default="ring", help="Open MPI's allreduce, pinned (default ring)")
+    p.add_argument("--calibrations", type=int, default=3, help="2-host calibrations; each figure is their median "
+                   "(default 3)")
+    p.add_argument("--wait", default="sleep", help="how a rank waits in MPI: sleep, yield or spin (launcher.wait; "
+                   "default sleep)")
     p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
     p.add_argument("--worker", choices=("calibrate", "ops"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.host_counts = sorted({int(h) for h in args.hosts.split(",")})
     args.rate_list = [r.strip() for r in args.rates.split(",")]
     args.size = parse_size(args.floats)
-    if min(args.host_counts) < 2 or args.reps < 1:
-        p.error("--hosts must be >= 2 and --reps >= 1")
+    if min(args.host_counts) < 2 or args.reps < 1 or args.calibrations < 1:
+        p.error("--hosts must be >= 2, --reps and --calibrations >= 1")
     return args
 
 
@@ -136,7 +140,7 @@ def on_cluster(args: argparse.Namespace, ranks: int, rate: str, what: str) -> di
     from bfexp.launchers import Emulated
     from bfexp.sessions import rank_environment
 
-    launcher = Emulated(link_rate=rate, cpu=args.cpu, allreduce_algorithm=args.allreduce_algorithm)
+    launcher = Emulated(link_rate=rate, cpu=args.cpu, allreduce_algorithm=args.allreduce_algorithm, wait=args.wait)
     launcher.check(ranks)
     launcher.prepare(ranks)
     forwarded = ["--hosts", ",".join(map(str, args.host_counts)), "--floats", args.floats, "--reps", str(args.reps)]
@@ -174,14 +178,19 @@ def calibrated_figures(cal: dict, cpu: float) -> dict:
 
 
 def switch_figure(figures: dict, measured_s: float, n: int, nbytes: float, cpu: float) -> float:
-    """GB/s that the emulated network forwards in all, from one-peer exchanges on ``n`` unshaped hosts
-    (round 0 of one-peer exp2: each rank sends ``nbytes`` to the next and receives as much, so n x nbytes
-    cross at once): what the exchange took beyond its price with no such limit (per message, stack,
-    combine) is the switch's. All hosts' traffic passes one kernel here, on the cores the hosts' quotas
-    leave: a 2-host calibration cannot see it (two flows), a ring of 4 hosts pays it at every step."""
-    free = model_cluster({**figures, "switch_gbyte_per_s": 0.0}, "none", cpu)
-    rest = modeled(free, "neighbor_one_peer_exp2", n, nbytes)
-    return n * nbytes / max(measured_s - rest, 1e-6) / 1e9
+    """GB/s that the emulated network forwards in all (0: it keeps up), from one-peer exchanges on ``n``
+    unshaped hosts (round 0 of one-peer exp2: each rank sends ``nbytes`` to the next and receives as much, so
+    n x nbytes cross at once). The stack and the switch are stages of one pipeline (costmodel.Cluster.inter_s):
+    when the exchange took longer than its price with the stack as its only stage, the switch is the slowest
+    stage, and what the exchange took beyond its per-message cost and its combine is the switch's time. All
+    hosts' traffic passes one kernel here, on the cores the hosts' quotas leave: a 2-host calibration cannot
+    see it (two flows)."""
+    stack_only = modeled(model_cluster({**figures, "switch_gbyte_per_s": 0.0}, "none", cpu),
+                         "neighbor_one_peer_exp2", n, nbytes)
+    if measured_s <= stack_only:
+        return 0.0
+    no_stage = model_cluster({**figures, "switch_gbyte_per_s": 0.0, "inter_stack_gbyte_per_s": math.inf}, "none", cpu)
+    return n * nbytes / (measured_s - modeled(no_stage, "neighbor_one_peer_exp2", n, nbytes)) / 1e9
 
 
 def model_cluster(figures: dict, rate: str, cpu: float):
@@ -201,10 +210,7 @@ def modeled(cluster, op: str, n: int, nbytes: float) -> float:
     from bfexp.topology import Exp2, OnePeerExp2, Ring
 
     if op == "ompi_allreduce":
-        ring = costmodel.ring_allreduce_s(cluster, n, nbytes)
-        if n == 2:  # each step's receive is posted before its send: between two ranks the directions take turns
-            ring += 2 * (n - 1) * (nbytes / n) / cluster.inter.bandwidth_bytes_per_s
-        return ring
+        return costmodel.ring_allreduce_s(cluster, n, nbytes)
     if op == "bfexp_allreduce":
         return costmodel.ring_allreduce_s(cluster, n, nbytes) + cluster.reduce_s(nbytes, n)
     topology = {"neighbor_ring": Ring, "neighbor_exp2": Exp2, "neighbor_one_peer_exp2": OnePeerExp2}[op](n)
@@ -223,19 +229,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"check_costmodel: the emulated cluster has {len(hosts)} hosts; --hosts needs "
                  f"{max(args.host_counts)}: scripts/cluster_local.sh up --hosts {max(args.host_counts)}")
     started = time.perf_counter()
-    cal = on_cluster(args, 2, "none", "calibrate")
-    figures = calibrated_figures(cal, args.cpu)
-    print(f"calibrated on 2 hosts at {args.cpu:g} cores, unshaped: one large message {figures['inter_latency_s'] * 1e3:.2f} ms "
-          f"(one float {cal['one_float_s'] * 1e3:.2f} ms), "
-          f"stack {figures['inter_stack_gbyte_per_s']:.3g} GB/s per core, "
-          f"combine {figures['reduce_gbyte_per_s']:.3g} GB/s per core", flush=True)
+    cals, runs = [], []
+    for _ in range(args.calibrations):
+        cal = on_cluster(args, 2, "none", "calibrate")
+        cals.append(cal)
+        runs.append(calibrated_figures(cal, args.cpu))
+        print(f"calibrated on 2 hosts at {args.cpu:g} cores, unshaped: one large message "
+              f"{runs[-1]['inter_latency_s'] * 1e3:.2f} ms (one float {cal['one_float_s'] * 1e3:.2f} ms), "
+              f"stack {runs[-1]['inter_stack_gbyte_per_s']:.3g} GB/s per core, "
+              f"combine {runs[-1]['reduce_gbyte_per_s']:.3g} GB/s per core", flush=True)
+    figures = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     nbytes = 4 * args.size
     most = max(args.host_counts)
     unshaped = on_cluster(args, most, "none", "ops")
     figures["switch_gbyte_per_s"] = switch_figure(figures, unshaped[str(most)]["neighbor_one_peer_exp2"], most,
                                                   nbytes, args.cpu)
-    print(f"calibrated on {most} hosts, unshaped: the network forwards {figures['switch_gbyte_per_s']:.3g} GB/s "
-          "in all", flush=True)
+    switch = figures["switch_gbyte_per_s"]
+    print(f"calibrated on {most} hosts, unshaped: " + (f"the network forwards {switch:.3g} GB/s in all" if switch
+          else "the network keeps up with the hosts' stacks (switch_gbyte_per_s: 0)"), flush=True)
     rows = []
     for rate in args.rate_list:
         measured = unshaped if rate == "none" else on_cluster(args, most, rate, "ops")
@@ -251,12 +262,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{len(rows)} points: median measured/modeled {statistics.median(ratios):.3f}, "
           f"range [{min(ratios):.2f}, {max(ratios):.2f}]; worst {worst['op']} at {worst['hosts']} hosts, "
           f"{worst['rate']}: {worst['ratio']:.2f} ({time.perf_counter() - started:.0f} s)")
-    print(f"\nconf/scaling/emulated.yaml (Open MPI's allreduce pinned: {args.allreduce_algorithm}):")
+    print(f"\nconf/scaling/emulated.yaml (Open MPI's allreduce pinned: {args.allreduce_algorithm}; "
+          f"launcher.wait={args.wait}):")
     for key, value in figures.items():
         print(f"{key}: {value:.3g}")
     if args.json:
-        report = {"cpu": args.cpu, "floats": args.size, "calibration": cal, "figures": figures, "rows": rows,
-                  "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
+        report = {"cpu": args.cpu, "wait": args.wait, "floats": args.size, "calibrations": cals, "figures": figures,
+                  "unshaped": unshaped[str(most)], "rows": rows, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")

@@ -205,15 +205,19 @@ def one_per_machine(cores=0.0, stack=S, switch=math.inf):
     return Cluster("hosts", 1, Link(A_IN, B_IN), Link(A_OUT, B_OUT), True, R, cores, "ring", stack, switch)
 
 
-def test_one_rank_per_machine_ring_has_no_hop_inside_a_machine_and_pays_the_stack():
-    # 4 machines x 1 rank: 6 steps, each a cross-machine chunk of M/4 on the wire, the rank's stack moving the
-    # chunk it sends and the one it receives; no shared-memory hop at all
+def test_one_rank_per_machine_ring_has_no_hop_inside_a_machine_and_pays_the_slower_of_stack_and_wire():
+    # 4 machines x 1 rank: 6 steps, each a cross-machine chunk of M/4 on the wire (0.25 ms at 1 GB/s) while the
+    # rank's stack moves the chunk it sends and the one it receives (1 ms at 0.5 GB/s): the stack paces the step;
+    # no shared-memory hop at all
     n, chunk = 4, 250_000
-    expected = 6 * (1e-4 + chunk / 1e9 + 2 * chunk / S) + 0.75 * M / R
+    expected = 6 * (1e-4 + 2 * chunk / S) + 0.75 * M / R
     assert close(costmodel.ring_allreduce_s(one_per_machine(), n, M), expected)
     # a quota of 0.4 cores slows the stack and the reduction by 1 / 0.4, not the wire
-    expected = 6 * (1e-4 + chunk / 1e9 + 2.5 * 2 * chunk / S) + 2.5 * 0.75 * M / R
+    expected = 6 * (1e-4 + 2.5 * 2 * chunk / S) + 2.5 * 0.75 * M / R
     assert close(costmodel.ring_allreduce_s(one_per_machine(cores=0.4), n, M), expected)
+    # a stack 10x faster (0.1 ms a step) hides under the wire's 0.25 ms
+    expected = 6 * (1e-4 + chunk / 1e9) + 0.75 * M / R
+    assert close(costmodel.ring_allreduce_s(one_per_machine(stack=10 * S), n, M), expected)
     # no stack cost: the ring of before
     free = one_per_machine(stack=math.inf)
     assert close(costmodel.ring_allreduce_s(free, n, M), 6 * (1e-4 + chunk / 1e9) + 0.75 * M / R)
@@ -221,26 +225,32 @@ def test_one_rank_per_machine_ring_has_no_hop_inside_a_machine_and_pays_the_stac
 
 def test_an_exchange_pays_the_stack_for_what_a_rank_sends_and_receives():
     # static exp2 on 4 machines: each rank sends M to 2 peers and receives M from 2; the card's busier direction
-    # carries 2M, the stack moves 4M, then the rank combines 3 vectors
-    expected = 1e-4 + 2 * M / 1e9 + 4 * M / S + 3 * M / R
+    # carries 2M (2 ms), the stack moves 4M (8 ms) and paces it, then the rank combines 3 vectors
+    expected = 1e-4 + 4 * M / S + 3 * M / R
     assert close(costmodel.exchange_s(one_per_machine(), 4, costmodel.topology_edges(Exp2(4), 0), M), expected)
     # one-peer exp2: M out, M in
-    expected = 1e-4 + M / 1e9 + 2 * M / S + 2 * M / R
+    expected = 1e-4 + 2 * M / S + 2 * M / R
     assert close(costmodel.exchange_s(one_per_machine(), 4, costmodel.topology_edges(OnePeerExp2(4), 0), M), expected)
+    # on a link 8x slower (0.125 GB/s: 16 ms for 2M) the stack's 8 ms hides under the wire
+    slow = Cluster("hosts", 1, Link(A_IN, B_IN), Link(A_OUT, 1.25e8), True, R, 0.0, "ring", S)
+    expected = 1e-4 + 2 * M / 1.25e8 + 3 * M / R
+    assert close(costmodel.exchange_s(slow, 4, costmodel.topology_edges(Exp2(4), 0), M), expected)
 
 
 def test_a_switch_that_forwards_less_than_every_link_paces_the_steps_it_cannot_keep_up_with():
     # the emulated cluster's hosts share one kernel: every machine's bytes of a step pass it at once
     n, chunk, sw = 4, 250_000, 5e8  # the switch forwards 0.5 GB/s in all
     switched = one_per_machine(switch=sw)
-    # a ring step: 4 chunks cross at once, 4 x 250 kB / 0.5 GB/s = 2 ms, slower than one link's 0.25 ms
-    expected = 6 * (1e-4 + 4 * chunk / sw + 2 * chunk / S) + 0.75 * M / R
+    # a ring step: 4 chunks cross at once, 4 x 250 kB / 0.5 GB/s = 2 ms, slower than one link's 0.25 ms and the
+    # stack's 1 ms
+    expected = 6 * (1e-4 + 4 * chunk / sw) + 0.75 * M / R
     assert close(costmodel.ring_allreduce_s(switched, n, M), expected)
-    # static exp2 exchange: 8 messages of M cross the switch (16 ms) against a card's 2M (2 ms)
-    expected = 1e-4 + 8 * M / sw + 4 * M / S + 3 * M / R
+    # static exp2 exchange: 8 messages of M cross the switch (16 ms) against a card's 2M (2 ms), the stack's 4M (8 ms)
+    expected = 1e-4 + 8 * M / sw + 3 * M / R
     assert close(costmodel.exchange_s(switched, 4, costmodel.topology_edges(Exp2(4), 0), M), expected)
-    # one message alone (0 -> 1) has the switch to itself: M / 0.5 GB/s; the receiver also combines
-    expected = 1e-4 + M / sw + M / S + 2 * M / R
+    # one message alone (0 -> 1) has the switch to itself: M / 0.5 GB/s, as long as the stack's M / 0.5 GB/s;
+    # the receiver also combines
+    expected = 1e-4 + M / sw + 2 * M / R
     assert close(costmodel.exchange_s(switched, 4, [(0, 1)], M), expected)
     # a switch faster than the links need changes nothing: 4 x 250 kB at 10 GB/s = 0.1 ms < 0.25 ms
     assert close(costmodel.ring_allreduce_s(one_per_machine(switch=1e10), n, M),
