@@ -4,7 +4,10 @@ warning before a time limit), and output that outlives its reader.
 During a job a signal is a flag the watch loop acts on (bfexp.launch: the
 first asks the ranks to stop at their next logging step and write a
 checkpoint, a second ends them at once); outside a job it raises
-Interrupted where the driver is. A driver started under ``nohup`` (SIGHUP
+Interrupted where the driver is. Code the driver runs before a job may
+swallow that exception (a library's bare ``except:`` around an optional
+import, say): a job then refuses to begin while a signal received outside
+any job has not ended the driver. A driver started under ``nohup`` (SIGHUP
 ignored) keeps ignoring SIGHUP. A closed terminal or pipe (``bfexp ... |
 head -1``: EPIPE; a hung-up terminal: EIO) does not end the run: what the
 driver prints from then on goes nowhere (``tolerate_closed_output``).
@@ -39,6 +42,7 @@ class Signals:
         self.received: list[int] = []
         self._depth = 0  # job() blocks under way (they nest: launch, then the engine's watch loop)
         self.job_start = 0  # signals received before the job began (each acted on then)
+        self.outside: int | None = None  # the latest signal received outside a job
         self._old: dict[int, Any] = {}
 
     @property
@@ -46,6 +50,7 @@ class Signals:
         return self._depth > 0
 
     def install(self) -> None:
+        self.outside = None  # a new run of the driver (the CLI installs at its start)
         for sig in STOP_SIGNALS:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN and sig not in self._old:
                 continue  # nohup: the user asked to outlive the terminal
@@ -62,6 +67,7 @@ class Signals:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
         if not self.in_job:
+            self.outside = signum
             raise Interrupted(signum)
 
     @contextlib.contextmanager
@@ -71,6 +77,11 @@ class Signals:
         if not installed:
             self.install()
         if not self._depth:
+            if self.outside is not None:  # its Interrupted was swallowed on the way: act on it now
+                signum, self.outside = self.outside, None
+                if not installed:
+                    self.restore()
+                raise Interrupted(signum)
             self.job_start = len(self.received)
         self._depth += 1
         try:

@@ -146,3 +146,38 @@ def test_under_nohup_sighup_stays_ignored():
         out = subprocess.run([sys.executable, "-c", code, mode], env=env(), capture_output=True, text=True, timeout=60,
                              preexec_fn=as_from_a_terminal)
         assert out.stdout.strip() == ignored, (mode, out.stdout, out.stderr)
+
+
+def test_a_stop_signal_whose_exception_was_swallowed_before_the_job_stops_the_job_at_its_start():
+    # The driver's own code between Hydra and the job can run a library's bare `except:` (around an optional
+    # import, say): the Interrupted a SIGTERM raised there never reaches the CLI. The job must not run anyway
+    # (make test once saw such a job train for 145 s after its SIGTERM).
+    import pytest
+
+    from bfexp.errors import Interrupted
+    from bfexp.signals import Signals
+
+    signals = Signals()
+    signals.install()
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, in this frame
+        except BaseException:  # noqa: BLE001 - the swallowing library
+            pass
+        assert signals.received == [signal.SIGTERM]
+        with pytest.raises(Interrupted) as raised:
+            with signals.job():
+                raise AssertionError("the job began")
+        assert raised.value.signum == signal.SIGTERM and not signals.in_job
+        with signals.job():  # acted on once: the next job begins
+            assert signals.in_job and signals.since(signals.job_start) is None
+        # a fresh run of the driver (install) forgets what an earlier one acted on
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except Interrupted:
+            pass
+        signals.install()
+        with signals.job():
+            assert signals.in_job
+    finally:
+        signals.restore()
