@@ -371,8 +371,8 @@ class ScalingConfig:
     # How fast a rank combines received data with its own (GB/s).
     reduce_gbyte_per_s: float = 10.0
     # Between machines over TCP on CPUs: GB/s at which one core moves bytes through a rank's network stack
-    # (the kernel's copies of what it sends and receives), paid on top of the wire time; 0: no such cost
-    # (RDMA, GPUDirect, or not modeled).
+    # (the kernel's copies of what it sends and receives), a stage of the same pipeline as the wire and the
+    # switch (the slowest paces a transfer); 0: no such cost (RDMA, GPUDirect, or not modeled).
     inter_stack_gbyte_per_s: float = 0.0
     # GB/s the network between machines forwards in all, every machine's flows together (a switch that is
     # not non-blocking: the emulated cluster's hosts share one kernel); 0: no such limit.

@@ -8,18 +8,17 @@ as root). One rank per host, each host held to ``--cpu`` cores. First, on two ho
 it calibrates what is not the wire: the fixed cost of one large message and how fast a host's network stack
 moves bytes when the link is not the limit (a line through exchanges of --floats/8, /2 and /1 floats, less
 their combine), and how fast a host combines (a weighted add of two vectors); per core (divided by --cpu);
-each figure the median of --calibrations such runs.
-Then, on the most hosts with unshaped links, how many bytes a second the emulated network forwards in all
-(every host's traffic crosses this one machine's kernel): from one-peer exchanges, what they took beyond
-their price without that limit (switch_figure). Then, for each link rate (every used host's link shaped
-to it) and host count, it times Open MPI's allreduce (its algorithm pinned: launcher=emulated's
+each figure the median of --calibrations such runs. Then, on the most hosts with unshaped links, how many
+bytes a second the emulated network forwards in all (every host's traffic crosses this one machine's
+kernel): from one-peer exchanges, 0 where the stack alone explains them, else what they took beyond their
+per-message cost and combine (switch_figure). Then, for each link rate (every used host's link shaped to it)
+and host count, it times Open MPI's allreduce (its algorithm pinned: launcher=emulated's
 allreduce_algorithm), bfexp's allreduce (its own ring from 8 MiB), and neighbor_allreduce over ring, exp2
 and one-peer exp2 (one round), medians of --reps calls each as the slowest rank saw it. The ranks run as
-launcher=emulated starts them (its wait and TCP transport settings).
-Beside each, the cost model's price (bfexp/costmodel.py) on the
-cluster those figures describe: the link at the rate's TCP payload rate, the calibrated latency, stack and
-combine at the quota. It prints measured, modeled and their ratio, the median and worst ratio, and the
-lines of conf/scaling/emulated.yaml. Training steps are checked by the bandwidth study
+launcher=emulated starts them (its wait and TCP transport settings). Beside each, the cost model's price
+(bfexp/costmodel.py) on the cluster those figures describe: the link at the rate's TCP payload rate, the
+calibrated latency, stack and combine at the quota. It prints measured, modeled and their ratio, the median
+and worst ratio, and the lines of conf/scaling/emulated.yaml. Training steps are checked by the bandwidth study
 (``bfexp -m +experiment=bandwidth_study``), whose summaries carry measured and modeled step times.
 """
 
@@ -268,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{key}: {value:.3g}")
     if args.json:
         report = {"cpu": args.cpu, "wait": args.wait, "floats": args.size, "calibrations": cals, "figures": figures,
-                  "unshaped": unshaped[str(most)], "rows": rows, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
+                  "unshaped": unshaped[str(most)], "rows": rows, "median_ratio": statistics.median(ratios),
+                  "min_ratio": min(ratios), "max_ratio": max(ratios)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")
