@@ -122,8 +122,9 @@ class Compressor(abc.ABC):
         """The dense Q(v) a payload stands for."""
 
     def wire(self) -> dict[str, Any]:
-        """Its wire format as ``costmodel.Traffic`` fields (density, value_bits, index_bits, scalars)."""
-        return {}
+        """Its wire format as ``costmodel.Traffic`` fields (density, value_bits, index_bits, scalars); a
+        receiver decodes every payload into a dense vector before it adds it (``decoded``)."""
+        return {"decoded": True}
 
     def generator(self, rank: int, device: torch.device) -> torch.Generator | None:
         """A random stream for this rank (None: the compressor is deterministic)."""
@@ -194,7 +195,7 @@ class _Sparse(Compressor):
         return out
 
     def wire(self) -> dict[str, Any]:
-        return {"density": self.ratio, "index_bits": 32}
+        return {**super().wire(), "density": self.ratio, "index_bits": 32}
 
 
 class TopK(_Sparse):
@@ -267,7 +268,7 @@ class QSGD(_Seeded):
         return out
 
     def wire(self) -> dict[str, Any]:
-        return {"value_bits": self.bits, "scalars": 1}
+        return {**super().wire(), "value_bits": self.bits, "scalars": 1}
 
 
 class Sign(Compressor):
@@ -290,7 +291,7 @@ class Sign(Compressor):
         return scale * (2 * positive - 1)
 
     def wire(self) -> dict[str, Any]:
-        return {"value_bits": 1, "scalars": 1}
+        return {**super().wire(), "value_bits": 1, "scalars": 1}
 
 
 class Cast(Compressor):
@@ -318,7 +319,7 @@ class Cast(Compressor):
         return from_bytes(payload, self.wire_dtype).to(dtype)
 
     def wire(self) -> dict[str, Any]:
-        return {"value_bits": 16}
+        return {**super().wire(), "value_bits": 16}
 
 
 # ---------------------------------------------------------------- from config

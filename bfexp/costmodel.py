@@ -54,6 +54,8 @@ class Traffic:
     index_bits: bits naming each carried element's position (top-k, random-k: 32).
     global_every: every this many communicating steps the exchange is an exact average
         (an allreduce of the uncompressed vectors) instead (Gossip-PGA); 0: never.
+    decoded: a receiver rebuilds every message it receives as a dense vector, then adds it (a
+        compressor's payload): its combine is priced on the dense vectors, not on the bytes that travel.
     """
 
     kind: Literal["allreduce", "neighbor", "allgather"]
@@ -63,6 +65,7 @@ class Traffic:
     value_bits: float = 0.0
     index_bits: int = 0
     global_every: int = 0
+    decoded: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("allreduce", "neighbor", "allgather"):
@@ -78,6 +81,10 @@ class Traffic:
     def dense_bytes(self, param_bytes: float, element_bytes: int) -> float:
         """Bytes of the same message uncompressed (what a Gossip-PGA average moves)."""
         return self.vectors * param_bytes + self.scalars * element_bytes
+
+    def decoded_bytes(self, param_bytes: float) -> float:
+        """The dense vectors a receiver rebuilds from one message (0: it combines the message as it travels)."""
+        return self.vectors * param_bytes if self.decoded else 0.0
 
 
 @dataclass(frozen=True)
@@ -197,15 +204,23 @@ def hierarchical_allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
     return inside + across + reduce
 
 
-def ring_allgather_s(cluster: Cluster, n: int, nbytes: float) -> float:
+def decode_s(cluster: Cluster, n: int, messages: int, decoded_bytes: float) -> float:
+    """A receiver rebuilding ``messages`` payloads as dense vectors of ``decoded_bytes`` and adding each to its
+    sum: the decode writes a dense vector and the add reads it back, so each costs two vectors' combine (its
+    own payload's decode is part of the single-rank compute, which has one too)."""
+    return cluster.reduce_s(messages * 2 * decoded_bytes, n)
+
+
+def ring_allgather_s(cluster: Cluster, n: int, nbytes: float, decoded_bytes: float = 0.0) -> float:
     """Ring allgather of one ``nbytes`` message per rank: n-1 steps, each rank passing one
-    message on (paced by the slower hop, as in the ring allreduce); nothing is reduced."""
+    message on (paced by the slower hop, as in the ring allreduce); nothing is reduced.
+    ``decoded_bytes``: every rank then decodes the n-1 messages it received (decode_s)."""
     if n <= 1:
         return 0.0
     step = cluster.intra_s(nbytes, n) if cluster.local_size(n) > 1 else 0.0
     if cluster.machines(n) > 1:
         step = max(step, cluster.inter_s(nbytes, n))
-    return (n - 1) * step
+    return (n - 1) * step + (decode_s(cluster, n, n - 1, decoded_bytes) if decoded_bytes else 0.0)
 
 
 def allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
@@ -220,7 +235,8 @@ def allreduce_s(cluster: Cluster, n: int, nbytes: float) -> float:
 # ---------------------------------------------------------------- neighbor exchange
 
 
-def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbytes: float) -> float:
+def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbytes: float,
+               decoded_bytes: float = 0.0) -> float:
     """One neighbor exchange: every (sender, receiver) edge carries ``nbytes``.
 
     Per rank, sends and receives run concurrently; a rank's busiest direction
@@ -228,7 +244,8 @@ def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbyte
     machines), and the two link kinds run in parallel. Across machines, a
     shared card carries all of its machine's cross-machine bytes. The rank
     then combines what it received with its own value ((in-degree + 1)
-    vectors). The exchange ends when the slowest rank is done.
+    vectors), or, with ``decoded_bytes``, decodes each message it received and
+    adds it (decode_s). The exchange ends when the slowest rank is done.
     """
     local = cluster.local_size(n)
     intra_out = [0.0] * n
@@ -259,7 +276,12 @@ def exchange_s(cluster: Cluster, n: int, edges: Iterable[tuple[int, int]], nbyte
         else:
             across = max(inter_out[r], inter_in[r])
         t_across = cluster.inter_s(across, n, inter_out[r] + inter_in[r], network_bytes=network) if across else 0.0
-        combine = cluster.reduce_s((in_degree[r] + 1) * nbytes, n) if in_degree[r] else 0.0
+        if not in_degree[r]:
+            combine = 0.0
+        elif decoded_bytes:
+            combine = decode_s(cluster, n, in_degree[r], decoded_bytes)
+        else:
+            combine = cluster.reduce_s((in_degree[r] + 1) * nbytes, n)
         slowest = max(slowest, max(t_inside, t_across) + combine)
     return slowest
 
@@ -273,11 +295,12 @@ def topology_edges(topology: Any, t: int) -> list[tuple[int, int]]:
     return edges
 
 
-def neighbor_exchange_s(cluster: Cluster, topology: Any, nbytes: float) -> float:
+def neighbor_exchange_s(cluster: Cluster, topology: Any, nbytes: float, decoded_bytes: float = 0.0) -> float:
     """Mean exchange time over one period of a (possibly dynamic) topology."""
     period = max(1, int(getattr(topology, "period", 1)))
     n = topology.size
-    return sum(exchange_s(cluster, n, topology_edges(topology, t), nbytes) for t in range(period)) / period
+    return sum(exchange_s(cluster, n, topology_edges(topology, t), nbytes, decoded_bytes)
+               for t in range(period)) / period
 
 
 # ---------------------------------------------------------------- one step
@@ -307,14 +330,15 @@ def communication_s(
     if n <= 1:
         return 0.0
     nbytes = traffic.message_bytes(param_bytes, element_bytes)
+    decoded = traffic.decoded_bytes(param_bytes)
     if traffic.kind == "allreduce":
         own = allreduce_s(cluster, n, nbytes)
     elif traffic.kind == "allgather":
-        own = ring_allgather_s(cluster, n, nbytes)
+        own = ring_allgather_s(cluster, n, nbytes, decoded)
     elif topology is None:
         raise ValueError("neighbor traffic is priced on a topology; none was given")
     else:
-        own = neighbor_exchange_s(cluster, topology, nbytes)
+        own = neighbor_exchange_s(cluster, topology, nbytes, decoded)
     every = traffic.global_every
     if every <= 1:
         return allreduce_s(cluster, n, traffic.dense_bytes(param_bytes, element_bytes)) if every == 1 else own

@@ -119,6 +119,15 @@ def test_compressed_messages_are_priced_as_they_travel():
     c = make(reduce=R)
     expected = 1e-5 + 3 * 0.01 * d * 8 / 1e10 + 4 * 0.01 * d * 8 / R
     assert close(costmodel.communication_s(c, top_k, 8, 4 * d, Exp2(8)), expected)
+    # a receiver that decodes each of its 3 messages into a dense vector of 4d bytes and adds it: two
+    # dense vectors' combine per message, and nothing for its own (the single-rank compute decodes that)
+    decoded = costmodel.Traffic("neighbor", density=0.01, index_bits=32, decoded=True)
+    expected = 1e-5 + 3 * 0.01 * d * 8 / 1e10 + 3 * 2 * 4 * d / R
+    assert close(costmodel.communication_s(c, decoded, 8, 4 * d, Exp2(8)), expected)
+    # with one rank per machine at 0.5 cores, the combine runs at half a core's rate
+    slow = make(rpm=1, reduce=R, cores=0.5)
+    expected = 1e-4 + 3 * 0.01 * d * 8 / 1e9 + 2 * 3 * 2 * 4 * d / R
+    assert close(costmodel.communication_s(slow, decoded, 8, 4 * d, Exp2(8)), expected)
     with pytest.raises(ValueError, match="density"):
         costmodel.Traffic("neighbor", density=0.0)
 
@@ -130,6 +139,9 @@ def test_an_allgather_of_compressed_payloads():
     traffic = costmodel.Traffic("allgather", density=0.01, index_bits=32)
     msg = 0.01 * (M / 4) * 8
     assert close(costmodel.communication_s(make(), traffic, 4, M), 3 * (1e-5 + msg / 1e10))
+    # every rank decodes the 3 payloads it received into dense vectors of M bytes and adds them
+    decoded = costmodel.Traffic("allgather", density=0.01, index_bits=32, decoded=True)
+    assert close(costmodel.communication_s(make(reduce=R), decoded, 4, M), 3 * (1e-5 + msg / 1e10) + 3 * 2 * M / R)
 
 
 def test_gossip_pga_prices_one_exact_average_every_h_exchanges():
@@ -150,10 +162,12 @@ def test_each_algorithm_states_its_traffic_with_its_options():
     from bfexp.algorithms import ChocoSGD, CompressedAllreduce, DiLoCo, QGDSGDm, SlowMo
 
     T = costmodel.Traffic
-    assert ChocoSGD.traffic_of(compressor="top_k") == T("neighbor", density=0.01, index_bits=32)
+    assert ChocoSGD.traffic_of(compressor="top_k") == T("neighbor", density=0.01, index_bits=32, decoded=True)
     assert ChocoSGD.traffic_of(compressor={"_target_": "bfexp.compression.QSGD", "bits": 2},
-                               global_average_every=5) == T("neighbor", value_bits=2, scalars=1, global_every=5)
-    assert CompressedAllreduce.traffic_of(compressor="sign") == T("allgather", value_bits=1, scalars=1)
+                               global_average_every=5) == T("neighbor", value_bits=2, scalars=1, global_every=5,
+                                                            decoded=True)
+    assert CompressedAllreduce.traffic_of(compressor="sign") == T("allgather", value_bits=1, scalars=1, decoded=True)
+    assert ChocoSGD.traffic_of(compressor="identity") == T("neighbor", decoded=True)
     assert DSGD.traffic_of(global_average_every=10) == T("neighbor", global_every=10)
     assert DSGD.traffic_of() == DSGD.traffic and Allreduce.traffic_of() == Allreduce.traffic
     assert DiLoCo.traffic_of(average="allreduce") == T("allreduce")
