@@ -24,7 +24,10 @@ then dumps its Python stack into its log (process ranks: faulthandler on
 SIGUSR2; virtual ranks: faulthandler's text of the driver's threads, once
 the job is known to be stuck, cut into each rank's log), and the
 summary names the stuck ranks, the call each was in, and on virtual ranks
-whom each waited for. Computing for long is not a hang; only waiting is.
+whom each waited for; with them, the ranks that entered a communication call
+since the last check (one whose call completes now and then over a link too
+slow for timeout_s: what the stuck ones wait for). Computing for long is not
+a hang; only waiting is.
 
 Injected faults test how a job fails: ``fail_rank`` at ``fail_step`` does
 ``fail_mode``: raise (an exception), kill (SIGKILL itself), freeze (SIGSTOP
@@ -277,6 +280,7 @@ class Watchdog:
         self._next = now + self.check_s
         self.latest.update(self.read())
         stalled = []  # every rank not moving now; the job is hung once one has not moved for timeout_s
+        moving = []  # ranks that entered a communication call since the last check: named beside a hang
         for rank in range(self.ranks):
             hb = self.latest.get(rank)
             if hb is None:
@@ -300,10 +304,12 @@ class Watchdog:
             since = self._waiting.get(rank, (None, now))
             if since[0] != key:
                 self._waiting[rank] = (key, now)
+                moving.append(dict(hb, why="in communication", stalled_s=0.0))
             elif now > since[1]:
                 stalled.append(dict(hb, why="blocked in communication", stalled_s=now - since[1]))
         if any(s["stalled_s"] >= self.timeout_s for s in stalled):
-            return stalled
+            # a rank still moving bytes over a slow link is the one the others wait for: named too
+            return sorted(stalled + moving, key=lambda s: s["rank"])
         return None
 
     def describe(self, stuck: list[dict], waits: dict[int, tuple[str, list[int]]] | None = None,
