@@ -385,6 +385,11 @@ class ScalingConfig:
     allreduce: str = "ring"
     # Share of a step's compute that is the backward pass, which communication can hide behind.
     backward_fraction: float = 0.667
+    # true: price the wait for the slowest rank. An exchange that waits on k ranks (an allreduce: all of
+    # them; a neighbor exchange: a rank and its in-neighbors) starts after the slowest of k draws of the
+    # single-rank reference's step times, not one (costmodel.straggler_wait_s). Only for ranks that run
+    # where the reference ran (scaling=emulated): this machine's jitter is not a modeled cluster's.
+    straggler_wait: bool = False
     # Training samples per second of ONE rank, by model name (compute only, no
     # communication); models not listed use the measured single-rank reference.
     compute_samples_per_s: Dict[str, float] = field(default_factory=dict)

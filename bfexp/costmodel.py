@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 
 from bfexp.errors import number_in
 
@@ -343,6 +343,56 @@ def communication_s(
     if every <= 1:
         return allreduce_s(cluster, n, traffic.dense_bytes(param_bytes, element_bytes)) if every == 1 else own
     return ((every - 1) * own + allreduce_s(cluster, n, traffic.dense_bytes(param_bytes, element_bytes))) / every
+
+
+def quantile(times: Sequence[float], u: float) -> float:
+    """The ``u`` quantile of ``times``, interpolated linearly between order statistics (numpy's default):
+    with x_(0) <= ... <= x_(m-1) sorted and p = (m - 1) u, x_(floor p) + (p - floor p)(x_(floor p + 1) - x_(floor p))."""
+    xs = sorted(float(t) for t in times)
+    if not xs:
+        raise ValueError("a quantile needs at least one time")
+    p = (len(xs) - 1) * u
+    i = min(int(p), len(xs) - 1)
+    return xs[i] + (p - i) * (xs[min(i + 1, len(xs) - 1)] - xs[i])
+
+
+def median_slowest(times: Sequence[float], k: int) -> float:
+    """The median of the slowest of ``k`` independent draws from the distribution of ``times``: the slowest
+    is at most x with probability F(x)^k, so its median is the 0.5^(1/k) quantile."""
+    return quantile(times, 0.5 ** (1 / k))
+
+
+def waited_ranks(traffic: Traffic, n: int, topology: Any = None) -> int:
+    """How many ranks' compute one exchange waits on: every rank's in an allreduce or allgather; in a neighbor
+    exchange a rank's own and its in-neighbors' (the most of any rank over the topology's period)."""
+    if traffic.kind != "neighbor" or topology is None:
+        return n
+    period = max(1, int(getattr(topology, "period", 1)))
+    degree = max(len(topology.weights(rank, t).src_weights) for rank in range(n) for t in range(period))
+    return min(n, degree + 1)
+
+
+def straggler_wait_s(times: Sequence[float], traffic: Traffic, n: int, topology: Any = None, period: int = 1) -> float:
+    """What waiting for the slowest rank adds to a step, when ranks' step times vary as the single-rank
+    reference's ``times`` did: an exchange that waits on k ranks (waited_ranks) starts after the slowest of k
+    draws (synchronous SGD's straggler cost, as in Dutta et al., "Slow and Stale Gradients Can Win the Race",
+    AISTATS 2018). Step times are medians (the measured ones are each rank's median), so the wait is
+    median_slowest(times, k) - median_slowest(times, 1): quantiles, which a reference round that something
+    else disturbed does not move. With a communication ``period`` p it waits on the slowest of k sums of p
+    steps, whose spread grows as sqrt(p) for independent steps: per step, the one-step figure over sqrt(p).
+    Gossip-PGA's global averages wait on every rank (mixed in as communication_s mixes their price)."""
+    if n <= 1 or len(times) < 2:
+        return 0.0
+    one = median_slowest(times, 1)
+
+    def excess(k: int) -> float:
+        return (median_slowest(times, k) - one) / math.sqrt(max(1, period))
+
+    own = excess(waited_ranks(traffic, n, topology))
+    every = traffic.global_every
+    if every <= 1:
+        return excess(n) if every == 1 else own
+    return ((every - 1) * own + excess(n)) / every
 
 
 def step_estimate(

@@ -51,6 +51,8 @@ from bfexp.results import HEADLINE, INTERVALS, high_key, low_key
 BLOCKS = 10
 MIN_BLOCK = 3
 CONFIDENCE = 0.95
+# The most step times a reference keeps of its distribution (its order statistics, evenly spaced).
+STEP_TIMES = 101
 
 
 class Spread(NamedTuple):
@@ -317,12 +319,15 @@ def modeled_figures(
     compute_source: str,
     buckets: int = 0,
     baseline_buckets: int = 0,
+    wait_s: float = 0.0,
+    baseline_wait_s: float = 0.0,
 ) -> dict:
     """Step time, throughput, efficiency and speedup the cost model gives on a cluster, each with
     the interval the model gives at the ends of the compute speed's (none for a declared speed).
 
     The baseline is allreduce with its defaults: overlapped with backward, every step.
     ``buckets``/``baseline_buckets``: how many buckets backward releases the message in (costmodel.step_estimate).
+    ``wait_s``/``baseline_wait_s``: what waiting for the slowest rank adds to a step (costmodel.straggler_wait_s).
     """
     param_bytes = param_count * element_bytes
     comm = costmodel.communication_s(where, traffic, ranks, param_bytes, topology, element_bytes)
@@ -334,12 +339,13 @@ def modeled_figures(
                                       buckets=buckets)
         base = costmodel.step_estimate(compute_s, base_comm, backward_fraction=backward_fraction, overlap=True, period=1,
                                        buckets=baseline_buckets)
-        tput, base_tput = own.throughput(ranks, batch), base.throughput(ranks, batch)
+        step_s, base_step_s = own.step_s + wait_s, base.step_s + baseline_wait_s
+        tput, base_tput = (ranks * batch / t if t > 0 else math.inf for t in (step_s, base_step_s))
         return {
-            "step_time_s": own.step_s,
+            "step_time_s": step_s,
             "compute_time_s": own.compute_s,
             "comm_time_s": own.exposed_comm_s,
-            "wait_time_s": 0.0,
+            "wait_time_s": wait_s,
             "throughput_samples_per_s": tput,
             "single_rank_throughput_samples_per_s": speed,
             "scaling_efficiency": efficiency(tput, ranks, speed),
@@ -347,7 +353,7 @@ def modeled_figures(
             "baseline_scaling_efficiency": efficiency(base_tput, ranks, speed),
             "speedup_vs_baseline": speedup(tput, base_tput),
             "exchange_time_s": own.comm_s,
-            "baseline_step_time_s": base.step_s,
+            "baseline_step_time_s": base_step_s,
             "baseline_exchange_time_s": base.comm_s,
         }
 
@@ -417,7 +423,17 @@ def reference_figures(wrapper_s: Sequence[float], plain_s: Sequence[float],
     put(out, "step_time_s", spread_of(step_s if step_s else wrapper_s))
     put(out, "plain_step_time_s", spread_of(plain_s))
     put(out, "framework_overhead_fraction", spread_of([w / p - 1.0 for w, p in zip(wrapper_s, plain_s) if p > 0]))
+    out["step_times_s"] = order_statistics(step_s if step_s else wrapper_s)
     return out
+
+
+def order_statistics(samples: Sequence[float], most: int = STEP_TIMES) -> list[float]:
+    """The samples sorted (microseconds), or ``most`` of them evenly spaced from the least to the greatest:
+    their distribution, for the cost model's wait for the slowest rank (costmodel.straggler_wait_s)."""
+    xs = sorted(float(x) for x in samples if _finite(x))
+    if len(xs) > most:
+        xs = [xs[round(i * (len(xs) - 1) / (most - 1))] for i in range(most)]
+    return [round(x, 6) for x in xs]
 
 
 def headline(measured: dict | None, modeled: dict | None, time_source: str) -> dict:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
-from bfexp import config, results, scaling
+from bfexp import config, costmodel, results, scaling
 from bfexp.config import job_kind, launcher_of
 
 __all__ = ["compute_speed", "failed_summary", "job_identity", "machine_layout", "modeled", "modeled_block",
@@ -65,10 +65,12 @@ def reference_fields(single: dict) -> dict:
 
 
 def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, topology: Any,
-                  speed: scaling.Spread | None, source: str, ranks_per_machine: int = 0) -> dict | None:
+                  speed: scaling.Spread | None, source: str, ranks_per_machine: int = 0,
+                  step_times: Sequence[float] = ()) -> dict | None:
     """The cost model's figures for this job on the scaling config's cluster; None without a compute speed.
     ``ranks_per_machine``: where the ranks ran, for a scaling config of this machine (modeled=false)
-    that leaves its machines to the run."""
+    that leaves its machines to the run. ``step_times``: the single-rank reference's step times, whose
+    spread prices the wait for the slowest rank where scaling.straggler_wait asks (a measured speed only)."""
     from bfexp.algorithms import Allreduce
 
     if not speed:
@@ -78,14 +80,21 @@ def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, to
         where = {**OmegaConf.to_container(cfg.scaling, resolve=True), "ranks_per_machine": ranks_per_machine}
     algorithm = config.target_of(cfg.algorithm, "algorithm")
     options = config.node_options(cfg.algorithm)
+    traffic, period = algorithm.traffic_of(**options), int(options.get("communication_period", 1))
+    wait_s = baseline_wait_s = 0.0
+    if cfg.scaling.get("straggler_wait") and source != "declared" and step_times:
+        if not algorithm.asynchronous:  # its ranks never wait for one another
+            wait_s = costmodel.straggler_wait_s(step_times, traffic, ranks, topology, period)
+        baseline_wait_s = costmodel.straggler_wait_s(step_times, Allreduce.traffic, ranks)
     return scaling.modeled_figures(
-        scaling.cluster(where), traffic=algorithm.traffic_of(**options), baseline=Allreduce.traffic,
-        overlap=bool(options.get("overlap", True)), period=int(options.get("communication_period", 1)),
+        scaling.cluster(where), traffic=traffic, baseline=Allreduce.traffic,
+        overlap=bool(options.get("overlap", True)), period=period,
         ranks=ranks, batch=int(cfg.batch_size), param_count=param_count, element_bytes=element_bytes,
         topology=topology, backward_fraction=float(cfg.scaling.backward_fraction),
         single=speed, compute_source=source,
         buckets=bucket_count(algorithm, options, param_count * element_bytes),
         baseline_buckets=bucket_count(Allreduce, {}, param_count * element_bytes),
+        wait_s=wait_s, baseline_wait_s=baseline_wait_s,
     )
 
 

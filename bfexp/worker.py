@@ -772,7 +772,7 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
         params = list(job.model.parameters())
         modeled = modeled_block(cfg, n, rank_numel(job.model), params[0].element_size(), job.topology,
                                 *compute_speed(cfg, scaling.throughput_spread(1, batch, single_step)),
-                                layout_ranks_per_machine(engine))
+                                layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
     out = scaling_block(cfg, engine, measured, modeled, throughput_only=False)
     out.update(reference_fields(single))
     return out
@@ -827,7 +827,7 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
         params = list(job.model.parameters())
         modeled = modeled_block(cfg, n, rank_numel(job.model), params[0].element_size(), job.topology,
                                 *compute_speed(cfg, scaling.throughput_spread(1, batch, compute)),
-                                layout_ranks_per_machine(engine))
+                                layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
     summary = job_identity(cfg, ranks=n, engine=engine.name, batch_size=batch)
     summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
     summary.update(scaling_block(cfg, engine, measured, modeled, throughput_only=True))

@@ -6,6 +6,7 @@ numbers of the case, not computed by the model's own helpers.
 
 import math
 
+import numpy as np
 import pytest
 
 from bfexp import costmodel
@@ -142,6 +143,52 @@ def test_an_allgather_of_compressed_payloads():
     # every rank decodes the 3 payloads it received into dense vectors of M bytes and adds them
     decoded = costmodel.Traffic("allgather", density=0.01, index_bits=32, decoded=True)
     assert close(costmodel.communication_s(make(reduce=R), decoded, 4, M), 3 * (1e-5 + msg / 1e10) + 3 * 2 * M / R)
+
+
+def test_the_median_of_the_slowest_of_k_ranks_by_hand():
+    times = [4.0, 1.0, 3.0, 2.0, 5.0]
+    # the median of one draw is the middle value; of the slowest of 2, the 0.5^(1/2) = 0.7071 quantile:
+    # position 4 x 0.7071 = 2.828 between 3 and 4
+    assert close(costmodel.median_slowest(times, 1), 3.0)
+    assert close(costmodel.median_slowest(times, 2), 3.0 + (4 * 0.5 ** 0.5 - 2))
+    skewed = [0.10, 0.11, 0.11, 0.12, 0.13, 0.30]
+    for k in (1, 2, 3, 4, 8):
+        assert close(costmodel.median_slowest(skewed, k), float(np.quantile(skewed, 0.5 ** (1 / k))))
+    assert costmodel.median_slowest([5.0], 3) == 5.0
+
+
+def test_an_exchange_waits_on_the_ranks_it_hears_from():
+    neighbor, allreduce = costmodel.Traffic("neighbor"), costmodel.Traffic("allreduce")
+    assert costmodel.waited_ranks(allreduce, 8) == 8
+    assert costmodel.waited_ranks(costmodel.Traffic("allgather"), 8) == 8
+    assert costmodel.waited_ranks(neighbor, 8, Exp2(8)) == 4  # itself and its 3 in-neighbors
+    assert costmodel.waited_ranks(neighbor, 4, Exp2(4)) == 3
+    assert costmodel.waited_ranks(neighbor, 8, OnePeerExp2(8)) == 2  # one in-neighbor at every t
+
+
+def test_the_wait_for_the_slowest_rank_by_hand():
+    times = [0.10, 0.11, 0.11, 0.12, 0.13, 0.30]
+
+    def slowest(k):  # numpy's quantile of the same times: the median of the slowest of k
+        return float(np.quantile(times, 0.5 ** (1 / k)))
+
+    allreduce, neighbor = costmodel.Traffic("allreduce"), costmodel.Traffic("neighbor")
+    # an allreduce over 4 ranks waits on all 4; one-peer exp2 on a rank and its one in-neighbor
+    assert close(costmodel.straggler_wait_s(times, allreduce, 4), slowest(4) - slowest(1))
+    assert close(costmodel.straggler_wait_s(times, neighbor, 4, OnePeerExp2(4)), slowest(2) - slowest(1))
+    # every 4 steps: the slowest of 4-step sums, whose spread is twice one step's: half a step's wait per step
+    assert close(costmodel.straggler_wait_s(times, allreduce, 4, period=4), (slowest(4) - slowest(1)) / 2)
+    # Gossip-PGA every 3rd exchange: two neighbor waits and one allreduce wait
+    pga = costmodel.Traffic("neighbor", global_every=3)
+    expected = (2 * (slowest(2) - slowest(1)) + slowest(4) - slowest(1)) / 3
+    assert close(costmodel.straggler_wait_s(times, pga, 4, OnePeerExp2(4)), expected)
+    # of 20 rounds, one disturbed (0.3 s, then 3 s) sits beyond the 0.84 quantile 4 ranks wait on
+    rounds = [0.100 + 0.001 * i for i in range(19)]
+    assert close(costmodel.straggler_wait_s(rounds + [3.0], allreduce, 4),
+                 costmodel.straggler_wait_s(rounds + [0.3], allreduce, 4))
+    # one rank waits on nobody; equal times make no wait
+    assert costmodel.straggler_wait_s(times, allreduce, 1) == 0.0
+    assert costmodel.straggler_wait_s([0.2] * 5, allreduce, 8) == 0.0
 
 
 def test_gossip_pga_prices_one_exact_average_every_h_exchanges():

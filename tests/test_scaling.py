@@ -89,6 +89,16 @@ def test_spread_of_by_hand():
     assert all(math.isnan(v) for v in scaling.spread_of([float("nan")] * 2))  # no finite sample: no figure
 
 
+def test_a_reference_keeps_its_step_times_distribution():
+    assert scaling.order_statistics([0.3, 0.1, float("nan"), 0.2]) == [0.1, 0.2, 0.3]
+    many = [i / 1000 for i in range(1000, 0, -1)]  # 0.001 .. 1.000, reversed
+    kept = scaling.order_statistics(many, most=5)
+    # the least, the greatest and three evenly spaced between (sorted positions 0, 250 (249.75), 500 (499.5), 749, 999)
+    assert kept == [0.001, 0.251, 0.501, 0.75, 1.0]
+    record = scaling.reference_figures([0.2, 0.1, 0.3], [0.05, 0.05, 0.05])
+    assert record["step_times_s"] == [0.1, 0.2, 0.3]
+
+
 def test_measured_figures_carry_intervals_by_hand():
     timing = {"step_time_s": 0.1, "step_time_s_low": 0.08, "step_time_s_high": 0.125}
     base = {"step_time_s": 0.2, "step_time_s_low": 0.16, "step_time_s_high": 0.25}
@@ -488,6 +498,34 @@ def test_virtual_ranks_headline_the_model_beside_the_measurement(bfexp, tmp_path
     check_figures(s)
     assert {k: s[k] for k in FIGURES} == {k: s["modeled"][k] for k in FIGURES}
     check_figures({**s["measured"], "ranks": 4, "batch_size": s["batch_size"]})
+
+
+def test_straggler_wait_prices_the_slowest_of_the_ranks_an_exchange_waits_on(bfexp, tmp_path):
+    """scaling.straggler_wait=true: the modeled step adds what waiting for the slowest rank costs, from the
+    reference's step times (checked here with numpy's quantiles of them: the median of the slowest of k
+    draws is the 0.5^(1/k) quantile); false (the default of a scaling config of this machine) adds nothing."""
+    import numpy as np
+
+    args = ("engine=threads", "ranks=4", "steps=10", "log_every=5", "baseline_steps=3", "scaling.reference_steps=8",
+            f"scaling.reference_cache={tmp_path / 'cache'}")
+    proc = bfexp(*args, "scaling.straggler_wait=true", "hydra.run.dir=on")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    s = load(bfexp.cwd / "on" / "summary.json")
+    times, model = s["reference"]["step_times_s"], s["modeled"]
+    assert len(times) == 8 and times == sorted(times)
+
+    def slowest(k):
+        return float(np.quantile(times, 0.5 ** (1 / k)))
+
+    # DSGD over exp2 on 4 ranks: a rank waits on itself and its 2 in-neighbors; the allreduce on all 4
+    assert model["wait_time_s"] == pytest.approx(slowest(3) - slowest(1), rel=1e-9)
+    assert model["step_time_s"] == pytest.approx(model["compute_time_s"] + model["comm_time_s"] + model["wait_time_s"])
+    off = bfexp(*args, "scaling.reference_load_margin=1000", "hydra.run.dir=off")  # the same reference, cached
+    assert off.returncode == 0, off.stderr + off.stdout[-2000:]
+    o = load(bfexp.cwd / "off" / "summary.json")
+    assert o["reference"]["step_times_s"] == times and o["modeled"]["wait_time_s"] == 0.0
+    assert model["step_time_s"] == pytest.approx(o["modeled"]["step_time_s"] + model["wait_time_s"])
+    assert model["baseline_step_time_s"] == pytest.approx(o["modeled"]["baseline_step_time_s"] + slowest(4) - slowest(1))
 
 
 def test_a_stop_request_cuts_the_baseline_probe_short():
