@@ -308,12 +308,14 @@ def neighbor_exchange_s(cluster: Cluster, topology: Any, nbytes: float, decoded_
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """Per-rank mean step time split into compute and the communication left exposed."""
+    """Per-rank mean step time split into compute, the communication left exposed and the wait for the
+    slowest rank."""
 
     compute_s: float
     comm_s: float  # one communicating step's communication, hidden or not
     exposed_comm_s: float  # mean per step, after overlap and the local-SGD period
     step_s: float
+    wait_s: float = 0.0  # mean per step (straggler_wait_s)
 
     def throughput(self, ranks: int, batch: int) -> float:
         return ranks * batch / self.step_s if self.step_s > 0 else math.inf
@@ -403,8 +405,10 @@ def step_estimate(
     overlap: bool = True,
     period: int = 1,
     buckets: int = 0,
+    wait_s: float = 0.0,
 ) -> StepEstimate:
-    """Compute plus the communication backward does not hide, every ``period`` steps.
+    """Compute plus the communication backward does not hide, every ``period`` steps, plus ``wait_s``
+    per step waiting for the slowest rank (straggler_wait_s).
 
     With overlap, communication runs during the backward pass
     (``backward_fraction`` of compute) and only what sticks out past it
@@ -420,4 +424,4 @@ def step_estimate(
     else:
         exposed = max(0.0, comm_s - backward)
     exposed /= max(1, period)
-    return StepEstimate(compute_s, comm_s, exposed, compute_s + exposed)
+    return StepEstimate(compute_s, comm_s, exposed, compute_s + exposed + wait_s, wait_s)

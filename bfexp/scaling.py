@@ -336,16 +336,15 @@ def modeled_figures(
     def at(speed: float) -> dict:
         compute_s = batch / speed
         own = costmodel.step_estimate(compute_s, comm, backward_fraction=backward_fraction, overlap=overlap, period=period,
-                                      buckets=buckets)
+                                      buckets=buckets, wait_s=wait_s)
         base = costmodel.step_estimate(compute_s, base_comm, backward_fraction=backward_fraction, overlap=True, period=1,
-                                       buckets=baseline_buckets)
-        step_s, base_step_s = own.step_s + wait_s, base.step_s + baseline_wait_s
-        tput, base_tput = (ranks * batch / t if t > 0 else math.inf for t in (step_s, base_step_s))
+                                       buckets=baseline_buckets, wait_s=baseline_wait_s)
+        tput, base_tput = own.throughput(ranks, batch), base.throughput(ranks, batch)
         return {
-            "step_time_s": step_s,
+            "step_time_s": own.step_s,
             "compute_time_s": own.compute_s,
             "comm_time_s": own.exposed_comm_s,
-            "wait_time_s": wait_s,
+            "wait_time_s": own.wait_s,
             "throughput_samples_per_s": tput,
             "single_rank_throughput_samples_per_s": speed,
             "scaling_efficiency": efficiency(tput, ranks, speed),
@@ -353,7 +352,7 @@ def modeled_figures(
             "baseline_scaling_efficiency": efficiency(base_tput, ranks, speed),
             "speedup_vs_baseline": speedup(tput, base_tput),
             "exchange_time_s": own.comm_s,
-            "baseline_step_time_s": base_step_s,
+            "baseline_step_time_s": base.step_s,
             "baseline_exchange_time_s": base.comm_s,
         }
 
@@ -428,7 +427,7 @@ def reference_figures(wrapper_s: Sequence[float], plain_s: Sequence[float],
 
 
 def order_statistics(samples: Sequence[float], most: int = STEP_TIMES) -> list[float]:
-    """The samples sorted (microseconds), or ``most`` of them evenly spaced from the least to the greatest:
+    """The samples sorted (rounded to microseconds), or ``most`` of them evenly spaced from the least to the greatest:
     their distribution, for the cost model's wait for the slowest rank (costmodel.straggler_wait_s)."""
     xs = sorted(float(x) for x in samples if _finite(x))
     if len(xs) > most:

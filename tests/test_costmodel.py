@@ -238,6 +238,10 @@ def test_overlap_and_local_sgd_period():
     assert close(costmodel.step_estimate(0.09, 0.1, backward_fraction=2 / 3, overlap=True, period=4).step_s, 0.09 + 0.01)
     assert close(costmodel.step_estimate(0.09, 0.05, backward_fraction=2 / 3).step_s, 0.09)  # fully hidden
     assert close(est.throughput(8, 32), 8 * 32 / 0.13)
+    # waiting 20 ms a step for the slowest rank adds to the step, hides nothing and hides behind nothing
+    waited = costmodel.step_estimate(0.09, 0.1, backward_fraction=2 / 3, overlap=True, wait_s=0.02)
+    assert close(waited.step_s, 0.15) and close(waited.exposed_comm_s, 0.04) and waited.wait_s == 0.02
+    assert close(waited.throughput(8, 32), 8 * 32 / 0.15)
 
 
 def test_buckets_backward_releases_hide_what_they_can():
