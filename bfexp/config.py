@@ -385,6 +385,13 @@ class ScalingConfig:
     allreduce: str = "ring"
     # Share of a step's compute that is the backward pass, which communication can hide behind.
     backward_fraction: float = 0.667
+    # The figures above at the fast and slow ends of their calibration: {fast: {figure: value, ...}, slow: {...}},
+    # any of intra_latency_s, intra_bandwidth_gbyte_per_s, inter_latency_s, inter_stack_gbyte_per_s,
+    # reduce_gbyte_per_s, switch_gbyte_per_s. The modeled interval then spans the model at both ends as well
+    # as at the compute speed's (a calibration measured here, whose exchanges vary from call to call:
+    # scripts/check_costmodel.py writes them; on the command line +scaling.calibration_ends.fast.<figure>=...).
+    # Empty: the figures are exact.
+    calibration_ends: Dict[str, Any] = field(default_factory=dict)  # Any: OmegaConf refuses an int in nested floats
     # true: price the wait for the slowest rank. An exchange that waits on k ranks (an allreduce: all of
     # them; a neighbor exchange: a rank and its in-neighbors) starts after the slowest of k draws of the
     # single-rank reference's step times, not one (costmodel.straggler_wait_s). Only for ranks that run
@@ -644,6 +651,12 @@ def check_cache_folder(value: Any) -> None:
                           "($BFEXP_CACHE_DIR or ~/.cache/bfexp) or null (no cache)")
 
 
+# The ends of a scaling config's calibration (ScalingConfig.calibration_ends), and the figures they may set.
+CALIBRATION_ENDS = ("fast", "slow")
+CALIBRATED = ("intra_latency_s", "intra_bandwidth_gbyte_per_s", "inter_latency_s", "inter_stack_gbyte_per_s",
+              "reduce_gbyte_per_s", "switch_gbyte_per_s")
+
+
 def validate_scaling(cfg: Any) -> None:
     """The scaling config's figures, the baseline probe and throughput-only mode."""
     sc = cfg.scaling
@@ -665,6 +678,16 @@ def validate_scaling(cfg: Any) -> None:
         number_in("scaling.reference_threads", sc.reference_threads, low=1, integer=True)
     for model, speed in (sc.compute_samples_per_s or {}).items():
         number_in(f"scaling.compute_samples_per_s.{model}", speed, low=0, low_open=True)
+    for end, figures in (sc.get("calibration_ends") or {}).items():
+        _require(end in CALIBRATION_ENDS, f"scaling.calibration_ends.{end}: no such end; allowed: "
+                 + ", ".join(CALIBRATION_ENDS))
+        _require(isinstance(figures, Mapping), f"scaling.calibration_ends.{end}={figures!r}; allowed: a mapping of "
+                 "calibrated figures to numbers, e.g. {inter_latency_s: 1e-3}")
+        for key, value in figures.items():
+            _require(key in CALIBRATED, f"scaling.calibration_ends.{end}.{key}: not a calibrated figure; "
+                     f"allowed: {', '.join(CALIBRATED)}")
+            positive = key.endswith(("bandwidth_gbyte_per_s", "reduce_gbyte_per_s"))
+            number_in(f"scaling.calibration_ends.{end}.{key}", value, low=0, low_open=positive)
     check_cache_folder(sc.get("reference_cache"))
     rpm = sc.ranks_per_machine
     _require(rpm >= 0, f"scaling.ranks_per_machine={rpm}; allowed: 0 (one machine) or >= 1")

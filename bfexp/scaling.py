@@ -271,8 +271,11 @@ def split_timing(
     return out
 
 
-def cluster(scaling: Mapping[str, Any], cores: int | None = None) -> costmodel.Cluster:
-    """The cost model's cluster from a scaling config node."""
+def cluster(scaling: Mapping[str, Any], cores: int | None = None, end: str | None = None) -> costmodel.Cluster:
+    """The cost model's cluster from a scaling config node; ``end``: with the figures of that end of its
+    calibration (scaling.calibration_ends) in place of its own."""
+    if end is not None:
+        scaling = {**scaling, **scaling["calibration_ends"][end]}
     return costmodel.Cluster(
         name=str(scaling["name"]),
         ranks_per_machine=int(scaling["ranks_per_machine"]),
@@ -285,6 +288,11 @@ def cluster(scaling: Mapping[str, Any], cores: int | None = None) -> costmodel.C
         stack_bytes_per_s=float(scaling.get("inter_stack_gbyte_per_s") or math.inf) * 1e9,
         switch_bytes_per_s=float(scaling.get("switch_gbyte_per_s") or math.inf) * 1e9,
     )
+
+
+def calibration_clusters(scaling: Mapping[str, Any], cores: int | None = None) -> list[costmodel.Cluster]:
+    """The cost model's cluster at each end of the scaling config's calibration; none where its figures are exact."""
+    return [cluster(scaling, cores, end) for end in (scaling.get("calibration_ends") or {})]
 
 
 def declared_speed(scaling: Mapping[str, Any], model: str) -> float | None:
@@ -321,19 +329,21 @@ def modeled_figures(
     baseline_buckets: int = 0,
     wait_s: float = 0.0,
     baseline_wait_s: float = 0.0,
+    ends: Sequence[costmodel.Cluster] = (),
 ) -> dict:
     """Step time, throughput, efficiency and speedup the cost model gives on a cluster, each with
-    the interval the model gives at the ends of the compute speed's (none for a declared speed).
+    the interval the model gives at the ends of the compute speed's (none for a declared speed) and at
+    ``ends``, the cluster at the ends of its calibration (calibration_clusters): its inputs' intervals.
 
     The baseline is allreduce with its defaults: overlapped with backward, every step.
     ``buckets``/``baseline_buckets``: how many buckets backward releases the message in (costmodel.step_estimate).
     ``wait_s``/``baseline_wait_s``: what waiting for the slowest rank adds to a step (costmodel.straggler_wait_s).
     """
     param_bytes = param_count * element_bytes
-    comm = costmodel.communication_s(where, traffic, ranks, param_bytes, topology, element_bytes)
-    base_comm = costmodel.communication_s(where, baseline, ranks, param_bytes, None, element_bytes)
 
-    def at(speed: float) -> dict:
+    def at(speed: float, where: costmodel.Cluster = where) -> dict:
+        comm = costmodel.communication_s(where, traffic, ranks, param_bytes, topology, element_bytes)
+        base_comm = costmodel.communication_s(where, baseline, ranks, param_bytes, None, element_bytes)
         compute_s = batch / speed
         own = costmodel.step_estimate(compute_s, comm, backward_fraction=backward_fraction, overlap=overlap, period=period,
                                       buckets=buckets, wait_s=wait_s)
@@ -356,7 +366,7 @@ def modeled_figures(
             "baseline_exchange_time_s": base.comm_s,
         }
 
-    out = bounded(*(at(speed) for speed in single))
+    out = bounded(*(at(speed) for speed in single), *(at(speed, end) for end in ends for speed in single))
     out.update({
         "time_source": "modeled",
         "cluster": where.name,

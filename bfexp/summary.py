@@ -94,7 +94,7 @@ def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, to
         single=speed, compute_source=source,
         buckets=bucket_count(algorithm, options, param_count * element_bytes),
         baseline_buckets=bucket_count(Allreduce, {}, param_count * element_bytes),
-        wait_s=wait_s, baseline_wait_s=baseline_wait_s,
+        wait_s=wait_s, baseline_wait_s=baseline_wait_s, ends=scaling.calibration_clusters(where),
     )
 
 

@@ -8,7 +8,9 @@ as root). One rank per host, each host held to ``--cpu`` cores. First, on two ho
 it calibrates what is not the wire: the fixed cost of one large message and how fast a host's network stack
 moves bytes when the link is not the limit (a line through exchanges of --floats/8, /2 and /1 floats, less
 their combine), and how fast a host combines (a weighted add of two vectors); per core (divided by --cpu);
-each figure the median of --calibrations such runs. Then, on the most hosts with unshaped links, how many
+each figure the median of --calibrations such runs; the same lines through the ends of each size's interval
+(the median's, as the single-rank reference's) give the figures at the calibration's fast and slow ends
+(calibration_ends). Then, on the most hosts with unshaped links, how many
 bytes a second the emulated network forwards in all (every host's traffic crosses this one machine's
 kernel): from one-peer exchanges, 0 where the stack alone explains them, else what they took beyond their
 per-message cost and combine (switch_figure). Then, for each link rate (every used host's link shaped to it)
@@ -17,8 +19,9 @@ allreduce_algorithm), bfexp's allreduce (its own ring from 8 MiB), and neighbor_
 and one-peer exp2 (one round), medians of --reps calls each as the slowest rank saw it. The ranks run as
 launcher=emulated starts them (its wait and TCP transport settings). Beside each, the cost model's price
 (bfexp/costmodel.py) on the cluster those figures describe: the link at the rate's TCP payload rate, the
-calibrated latency, stack and combine at the quota. It prints measured, modeled and their ratio, the median
-and worst ratio, and the lines of conf/scaling/emulated.yaml. Training steps are checked by the bandwidth study
+calibrated latency, stack and combine at the quota. It prints measured, modeled (with its interval: the model
+at the calibration's ends) and their ratio, the median and worst ratio, and the lines of
+conf/scaling/emulated.yaml. Training steps are checked by the bandwidth study
 (``bfexp -m +experiment=bandwidth_study``), whose summaries carry measured and modeled step times.
 """
 
@@ -75,9 +78,21 @@ def median_time(group: Group, fn, reps: int) -> float:
     return statistics.median(timed_once(group.comm, fn) for _ in range(reps))
 
 
+def timed_spread(group: Group, fn, reps: int) -> dict:
+    """``reps`` calls once warmed up: their median and its interval (scaling.spread_of), as ``_low``/``_high``."""
+    from bfexp.scaling import spread_of
+
+    fn()
+    spread = spread_of([timed_once(group.comm, fn) for _ in range(reps)])
+    return {"": spread.value, "_low": spread.low, "_high": spread.high}
+
+
 def calibrate(group: Group, size: int, reps: int) -> dict:
     """Two ranks on unshaped links: per size (size/8, size/2, size), the combine and the exchange, each exchange
-    against the combine timed just before it (pairs see the same load); medians. See calibrated_figures."""
+    against the combine timed just before it (pairs see the same load); medians and their intervals
+    (scaling.spread_of). See calibrated_figures."""
+    from bfexp.scaling import spread_of
+
     engine, peer = group.engine, 1 - group.engine.rank
     one = buffer("one", 1)
     out = {"one_float_s": median_time(group, lambda: engine.neighbor_allreduce(one, 0.5, {peer: 0.5}, [peer]),
@@ -92,13 +107,16 @@ def calibrate(group: Group, size: int, reps: int) -> dict:
         exchange = lambda: engine.neighbor_allreduce(x, 0.5, {peer: 0.5}, [peer])  # noqa: E731
         combine(), exchange()  # warm-up
         pairs = [(timed_once(group.comm, combine), timed_once(group.comm, exchange)) for _ in range(2 * reps)]
-        out["sizes"][str(floats)] = {"combine_s": statistics.median(c for c, _ in pairs),
-                                     "transfer_s": statistics.median(e - c for c, e in pairs)}
+        row = out["sizes"][str(floats)] = {}
+        for key, samples in (("combine_s", [c for c, _ in pairs]), ("transfer_s", [e - c for c, e in pairs])):
+            spread = spread_of(samples)  # the median and its interval, as the single-rank reference's
+            row.update({key: spread.value, f"{key}_low": spread.low, f"{key}_high": spread.high})
     return out
 
 
 def ops(group: Group, size: int, reps: int) -> dict:
-    """Every operation of OPS once warmed up, then medians of ``reps`` calls."""
+    """Every operation of OPS once warmed up, then medians of ``reps`` calls (one-peer exp2's with its interval,
+    whose ends give the switch's at the calibration's ends)."""
     from mpi4py import MPI
 
     from bfexp.topology import Exp2, OnePeerExp2, Ring
@@ -111,8 +129,10 @@ def ops(group: Group, size: int, reps: int) -> dict:
     for name, topology in (("neighbor_ring", Ring(n)), ("neighbor_exp2", Exp2(n)),
                            ("neighbor_one_peer_exp2", OnePeerExp2(n))):
         w = topology.weights(rank, 0)
-        out[name] = median_time(group, lambda: engine.neighbor_allreduce(x, w.self_weight, w.src_weights,
-                                                                         list(w.dst_weights)), reps)
+        timed = timed_spread(group, lambda: engine.neighbor_allreduce(x, w.self_weight, w.src_weights,
+                                                                      list(w.dst_weights)), reps)
+        out.update({name + end: value for end, value in timed.items()} if name == "neighbor_one_peer_exp2"
+                   else {name: timed[""]})
     return out
 
 
@@ -156,15 +176,16 @@ def on_cluster(args: argparse.Namespace, ranks: int, rate: str, what: str) -> di
              f"{done.stderr[-3000:]}")
 
 
-def calibrated_figures(cal: dict, cpu: float) -> dict:
+def calibrated_figures(cal: dict, cpu: float, end: str = "") -> dict:
     """The scaling config's figures from a calibration, per core (so the quota scales them): a least-squares
     line through each size's transfer time (the exchange less its combine) against the bytes the stack moves
     (sent plus received): its intercept is the cost of one large message (the one-float exchange is cheaper:
     a large one is a rendezvous, whose handshake waits on the other rank), its slope the stack's; the
-    combine's speed from the largest size."""
+    combine's speed from the largest size. ``end`` "_low"/"_high": the same through the low/high ends of each
+    size's intervals (the fast and slow ends of the calibration: scaling.calibration_ends)."""
     sizes = sorted(cal["sizes"], key=int)
     xs = [2 * 4 * int(s) for s in sizes]
-    ys = [cal["sizes"][s]["transfer_s"] for s in sizes]
+    ys = [cal["sizes"][s]["transfer_s" + end] for s in sizes]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     largest = cal["sizes"][sizes[-1]]
@@ -172,8 +193,11 @@ def calibrated_figures(cal: dict, cpu: float) -> dict:
         "inter_latency_s": max(cal["one_float_s"], my - slope * mx),
         "inter_stack_gbyte_per_s": 1 / max(slope, 1e-12) / cpu / 1e9,
         # the combine reads two vectors
-        "reduce_gbyte_per_s": 2 * 4 * int(sizes[-1]) / largest["combine_s"] / cpu / 1e9,
+        "reduce_gbyte_per_s": 2 * 4 * int(sizes[-1]) / largest["combine_s" + end] / cpu / 1e9,
     }
+
+
+ENDS = {"fast": "_low", "slow": "_high"}  # scaling.calibration_ends: the calibration's intervals' ends
 
 
 def switch_figure(figures: dict, measured_s: float, n: int, nbytes: float, cpu: float) -> float:
@@ -228,21 +252,27 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"check_costmodel: the emulated cluster has {len(hosts)} hosts; --hosts needs "
                  f"{max(args.host_counts)}: scripts/cluster_local.sh up --hosts {max(args.host_counts)}")
     started = time.perf_counter()
-    cals, runs = [], []
+    cals, runs, end_runs = [], [], {end: [] for end in ENDS}
     for _ in range(args.calibrations):
         cal = on_cluster(args, 2, "none", "calibrate")
         cals.append(cal)
         runs.append(calibrated_figures(cal, args.cpu))
+        for end, suffix in ENDS.items():
+            end_runs[end].append(calibrated_figures(cal, args.cpu, suffix))
         print(f"calibrated on 2 hosts at {args.cpu:g} cores, unshaped: one large message "
               f"{runs[-1]['inter_latency_s'] * 1e3:.2f} ms (one float {cal['one_float_s'] * 1e3:.2f} ms), "
               f"stack {runs[-1]['inter_stack_gbyte_per_s']:.3g} GB/s per core, "
               f"combine {runs[-1]['reduce_gbyte_per_s']:.3g} GB/s per core", flush=True)
     figures = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    ends = {end: {key: statistics.median(run[key] for run in end_runs[end]) for key in runs[0]} for end in ENDS}
     nbytes = 4 * args.size
     most = max(args.host_counts)
     unshaped = on_cluster(args, most, "none", "ops")
-    figures["switch_gbyte_per_s"] = switch_figure(figures, unshaped[str(most)]["neighbor_one_peer_exp2"], most,
-                                                  nbytes, args.cpu)
+    one_peer = unshaped[str(most)]
+    figures["switch_gbyte_per_s"] = switch_figure(figures, one_peer["neighbor_one_peer_exp2"], most, nbytes, args.cpu)
+    for end, suffix in ENDS.items():  # the switch at each end: that end's stack, that end of the exchange's interval
+        exchange_s = one_peer["neighbor_one_peer_exp2" + suffix]
+        ends[end]["switch_gbyte_per_s"] = switch_figure({**figures, **ends[end]}, exchange_s, most, nbytes, args.cpu)
     switch = figures["switch_gbyte_per_s"]
     print(f"calibrated on {most} hosts, unshaped: " + (f"the network forwards {switch:.3g} GB/s in all" if switch
           else "the network keeps up with the hosts' stacks (switch_gbyte_per_s: 0)"), flush=True)
@@ -250,12 +280,15 @@ def main(argv: list[str] | None = None) -> None:
     for rate in args.rate_list:
         measured = unshaped if rate == "none" else on_cluster(args, most, rate, "ops")
         cluster = model_cluster(figures, rate, args.cpu)
+        at_ends = [model_cluster({**figures, **ends[end]}, rate, args.cpu) for end in ENDS]
         for n in args.host_counts:
             for op in OPS:
                 m, p = measured[str(n)][op], modeled(cluster, op, n, nbytes)
-                rows.append({"rate": rate, "hosts": n, "op": op, "measured_s": m, "modeled_s": p, "ratio": m / p})
-                print(f"{rate:>8} {n} hosts {op:<24} measured {m * 1e3:8.1f} ms  modeled {p * 1e3:8.1f} ms  "
-                      f"ratio {m / p:5.2f}", flush=True)
+                lo, hi = (f(p, *(modeled(c, op, n, nbytes) for c in at_ends)) for f in (min, max))
+                rows.append({"rate": rate, "hosts": n, "op": op, "measured_s": m, "modeled_s": p, "ratio": m / p,
+                             "modeled_low_s": lo, "modeled_high_s": hi})
+                print(f"{rate:>8} {n} hosts {op:<24} measured {m * 1e3:8.1f} ms  modeled {p * 1e3:8.1f} ms "
+                      f"[{lo * 1e3:.1f}, {hi * 1e3:.1f}]  ratio {m / p:5.2f}", flush=True)
     ratios = [r["ratio"] for r in rows]
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     print(f"\n{len(rows)} points: median measured/modeled {statistics.median(ratios):.3f}, "
@@ -265,8 +298,14 @@ def main(argv: list[str] | None = None) -> None:
           f"launcher.wait={args.wait}):")
     for key, value in figures.items():
         print(f"{key}: {value:.3g}")
+    print("calibration_ends:")
+    for end, values in ends.items():
+        print(f"  {end}: {{" + ", ".join(f"{key}: {value:.3g}" for key, value in values.items()) + "}")
+    inside = sum(r["modeled_low_s"] <= r["measured_s"] <= r["modeled_high_s"] for r in rows)
+    print(f"{inside} of {len(rows)} measured times inside the interval of the model at the calibration's ends")
     if args.json:
         report = {"cpu": args.cpu, "wait": args.wait, "floats": args.size, "calibrations": cals, "figures": figures,
+                  "calibration_ends": ends,
                   "unshaped": unshaped[str(most)], "rows": rows, "median_ratio": statistics.median(ratios),
                   "min_ratio": min(ratios), "max_ratio": max(ratios)}
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -39,3 +39,20 @@ def test_a_calibration_is_a_line_through_the_transfers_per_core():
     assert figures["inter_latency_s"] == pytest.approx(2e-3)
     assert figures["inter_stack_gbyte_per_s"] == pytest.approx(1.0)
     assert figures["reduce_gbyte_per_s"] == pytest.approx(2 * 4 * (1 << 22) / 0.01 / 0.4 / 1e9)
+
+
+def test_the_calibrations_ends_are_the_same_lines_through_its_intervals_ends():
+    # each size's interval: transfers of 1 ms + bytes / 0.8 GB/s at the fast end, 3 ms + bytes / 0.2 GB/s at the
+    # slow end, at 0.4 cores (stacks of 2 and 0.5 GB/s per core); combines of 5 and 20 ms at the largest size
+    sizes = {str(f): {"transfer_s": 2e-3 + 2 * 4 * f / 4e8, "combine_s": 0.01,
+                      "transfer_s_low": 1e-3 + 2 * 4 * f / 8e8, "combine_s_low": 0.005,
+                      "transfer_s_high": 3e-3 + 2 * 4 * f / 2e8, "combine_s_high": 0.02}
+             for f in (1 << 19, 1 << 21, 1 << 22)}
+    cal = {"one_float_s": 5e-4, "sizes": sizes}
+    fast, slow = (check_costmodel.calibrated_figures(cal, 0.4, check_costmodel.ENDS[end]) for end in ("fast", "slow"))
+    assert (fast["inter_latency_s"], slow["inter_latency_s"]) == (pytest.approx(1e-3), pytest.approx(3e-3))
+    assert (fast["inter_stack_gbyte_per_s"], slow["inter_stack_gbyte_per_s"]) == (pytest.approx(2.0),
+                                                                                pytest.approx(0.5))
+    largest = 2 * 4 * (1 << 22) / 0.4 / 1e9
+    assert (fast["reduce_gbyte_per_s"], slow["reduce_gbyte_per_s"]) == (pytest.approx(largest / 0.005),
+                                                                        pytest.approx(largest / 0.02))

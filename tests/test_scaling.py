@@ -461,6 +461,32 @@ def test_throughput_only_resnet50_on_the_v100_cluster(bfexp):
     assert by_algo["dsgd"]["speedup_vs_baseline"] > 1.0
 
 
+def test_the_modeled_interval_spans_the_model_at_its_calibrations_ends(bfexp):
+    """scaling.calibration_ends: the model priced at each end's figures too; with a declared (exact) speed the
+    interval is theirs alone, worked out here from the alpha-beta formula at each end."""
+    ends = ("+scaling.calibration_ends.fast.inter_latency_s=1e-5", "+scaling.calibration_ends.fast.reduce_gbyte_per_s=600",
+            "+scaling.calibration_ends.slow.inter_latency_s=1e-4")
+    proc = bfexp("throughput_only=true", "scaling=v100_cluster", "model=resnet50", "ranks=128",
+                 "engine.ranks_per_machine=8", "batch_size=64", "algorithm=allreduce", *ends, "report=false",
+                 "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+    s = load(bfexp.cwd / "run" / "summary.json")
+    nbytes, compute = 25_557_032 * 4, 64 / 1200.0
+    backward, buckets = 0.667 * compute, 4
+
+    def step(latency, reduce_bytes_per_s):
+        ring = 2 * 127 * (latency + nbytes / 128 / 3.125e9) + (127 / 128) * nbytes / reduce_bytes_per_s
+        return compute + max(ring / buckets, ring - backward * (buckets - 1) / buckets)
+
+    point, fast, slow = step(3e-5, 300e9), step(1e-5, 600e9), step(1e-4, 300e9)
+    assert (s["step_time_s"], s["step_time_s_low"], s["step_time_s_high"]) == (
+        pytest.approx(point, rel=1e-9), pytest.approx(fast, rel=1e-9), pytest.approx(slow, rel=1e-9))
+    # efficiency against the declared speed: compute / step, the slow end's the low one
+    assert (s["scaling_efficiency_low"], s["scaling_efficiency_high"]) == (
+        pytest.approx(compute / slow, rel=1e-9), pytest.approx(compute / fast, rel=1e-9))
+    check_figures(s)
+
+
 def test_throughput_only_on_real_ranks_measures_communication(bfexp, tmp_path):
     proc = bfexp("throughput_only=true", "ranks=2", "model=mlp", "baseline_steps=5",
                  f"scaling.reference_cache={tmp_path / 'cache'}", "hydra.run.dir=run")
@@ -482,6 +508,13 @@ def test_throughput_only_on_real_ranks_measures_communication(bfexp, tmp_path):
     (["scaling.reference=sometimes"], "scaling.reference='sometimes'; allowed: cached, fresh"),
     (["scaling.reference_load_margin=-1"], "scaling.reference_load_margin=-1.0; allowed: a number >= 0"),
     (["scaling.reference_threads=0"], "scaling.reference_threads=0; allowed: an integer >= 1"),
+    (["+scaling.calibration_ends.quick.inter_latency_s=1e-5"],
+     "scaling.calibration_ends.quick: no such end; allowed: fast, slow"),
+    (["+scaling.calibration_ends.fast.inter_bandwidth_gbyte_per_s=1"],
+     "scaling.calibration_ends.fast.inter_bandwidth_gbyte_per_s: not a calibrated figure; allowed: intra_latency_s,"),
+    (["+scaling.calibration_ends.fast=3"], "scaling.calibration_ends.fast=3; allowed: a mapping of calibrated"),
+    (["+scaling.calibration_ends.slow.reduce_gbyte_per_s=0"],
+     "scaling.calibration_ends.slow.reduce_gbyte_per_s=0; allowed: a number > 0"),
 ])
 def test_bad_scaling_input_exits_2(bfexp, args, message):
     proc = bfexp(*args, "hydra.run.dir=run")
