@@ -341,9 +341,12 @@ def modeled_figures(
     """
     param_bytes = param_count * element_bytes
 
-    def at(speed: float, where: costmodel.Cluster = where) -> dict:
-        comm = costmodel.communication_s(where, traffic, ranks, param_bytes, topology, element_bytes)
-        base_comm = costmodel.communication_s(where, baseline, ranks, param_bytes, None, element_bytes)
+    def prices(cluster: costmodel.Cluster) -> tuple[float, float]:
+        """One exchange of the rule and of the baseline on ``cluster``: the compute speed does not enter it."""
+        return (costmodel.communication_s(cluster, traffic, ranks, param_bytes, topology, element_bytes),
+                costmodel.communication_s(cluster, baseline, ranks, param_bytes, None, element_bytes))
+
+    def at(speed: float, comm: float, base_comm: float) -> dict:
         compute_s = batch / speed
         own = costmodel.step_estimate(compute_s, comm, backward_fraction=backward_fraction, overlap=overlap, period=period,
                                       buckets=buckets, wait_s=wait_s)
@@ -366,7 +369,8 @@ def modeled_figures(
             "baseline_exchange_time_s": base.comm_s,
         }
 
-    out = bounded(*(at(speed) for speed in single), *(at(speed, end) for end in ends for speed in single))
+    # the point first: the point cluster at the point speed
+    out = bounded(*(at(speed, *comms) for comms in map(prices, (where, *ends)) for speed in single))
     out.update({
         "time_source": "modeled",
         "cluster": where.name,
