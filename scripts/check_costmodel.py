@@ -73,18 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- on the ranks
 
 
-def median_time(group: Group, fn, reps: int) -> float:
-    fn()  # warm-up: connections, buffers
-    return statistics.median(timed_once(group.comm, fn) for _ in range(reps))
-
-
 def timed_spread(group: Group, fn, reps: int) -> dict:
     """``reps`` calls once warmed up: their median and its interval (scaling.spread_of), as ``_low``/``_high``."""
     from bfexp.scaling import spread_of
 
-    fn()
+    fn()  # warm-up: connections, buffers
     spread = spread_of([timed_once(group.comm, fn) for _ in range(reps)])
     return {"": spread.value, "_low": spread.low, "_high": spread.high}
+
+
+def median_time(group: Group, fn, reps: int) -> float:
+    return timed_spread(group, fn, reps)[""]
 
 
 def calibrate(group: Group, size: int, reps: int) -> dict:
