@@ -280,7 +280,7 @@ class Watchdog:
         self._next = now + self.check_s
         self.latest.update(self.read())
         stalled = []  # every rank not moving now; the job is hung once one has not moved for timeout_s
-        moving = []  # ranks that entered a communication call since the last check, or are outside one: named
+        beside = []  # ranks that entered a communication call since the last check, or are outside one: named
         # beside a hang (the ranks the others wait for are either still moving bytes or have not arrived; a rank
         # held outside the calls bfexp tracks, as by a link that went down under a send being started, too)
         for rank in range(self.ranks):
@@ -301,19 +301,19 @@ class Watchdog:
                 continue
             if hb.get("op") is None:
                 self._waiting.pop(rank, None)
-                moving.append(dict(hb, why="outside communication", stalled_s=0.0))
+                beside.append(dict(hb, why="outside communication", stalled_s=0.0))
                 continue
             key = (hb["op"], hb.get("where"), hb.get("comm_time_s"))
             since = self._waiting.get(rank, (None, now))
             if since[0] != key:
                 self._waiting[rank] = (key, now)
-                moving.append(dict(hb, why="in communication", stalled_s=0.0))
+                beside.append(dict(hb, why="in communication", stalled_s=0.0))
             elif now > since[1]:
                 stalled.append(dict(hb, why="blocked in communication", stalled_s=now - since[1]))
         if any(s["stalled_s"] >= self.timeout_s for s in stalled):
             # a rank still moving bytes over a slow link, or one that has not arrived, is the one the others
             # wait for: named too
-            return sorted(stalled + moving, key=lambda s: s["rank"])
+            return sorted(stalled + beside, key=lambda s: s["rank"])
         return None
 
     def describe(self, stuck: list[dict], waits: dict[int, tuple[str, list[int]]] | None = None,
