@@ -77,14 +77,14 @@ def timed(engine: Engine, run_one: Callable[[], Any], steps: int, warmup: int = 
     return timer
 
 
-def broadcast_json(engine: Engine, obj: Any) -> Any:
-    """Rank 0's JSON-able object on every rank (two broadcasts: its length, then its bytes)."""
-    raw = json.dumps(results.clean(obj)).encode() if engine.rank == 0 else b""
-    size = engine.broadcast(torch.tensor([len(raw)], dtype=torch.int64), 0)
+def broadcast_json(engine: Engine, obj: Any, root: int = 0) -> Any:
+    """``root``'s JSON-able object on every rank (two broadcasts: its length, then its bytes)."""
+    raw = json.dumps(results.clean(obj)).encode() if engine.rank == root else b""
+    size = engine.broadcast(torch.tensor([len(raw)], dtype=torch.int64), root)
     buf = torch.zeros(int(size[0]), dtype=torch.uint8)
-    if engine.rank == 0:
+    if engine.rank == root:
         buf[:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return json.loads(bytes(engine.broadcast(buf, 0).tolist()).decode())
+    return json.loads(bytes(engine.broadcast(buf, root).tolist()).decode())
 
 
 def load_average() -> float | None:
@@ -178,13 +178,20 @@ class SingleRankReference:
     ``alone`` builds the job's model and algorithm wrapper on a 1-rank engine,
     ``plain`` the same model with the bare torch optimizer; ``next_batch`` gives
     each step a new mini-batch, as training does (a batch that stays in the
-    caches makes a faster step). Rank 0 times ``rounds`` steps of each with
-    ``threads`` torch threads while the other ranks sleep, ONE step after each
+    caches makes a faster step). One rank at a time times ``rounds`` steps of
+    each with ``threads`` torch threads while the other ranks sleep, ONE step after each
     of evenly spaced training steps from ``first`` to ``steps`` (the job's
     timed ones), wrapper and plain taking turns: every timed step then follows
     a training step and the loop's work around it, as the job's own steps
     do (what comes just before a step changes its time by tens of percent
     on a small model). What training does not reach runs in ``finish``.
+
+    Where ranks are processes, round k (its wrapper and plain step) runs on
+    rank k mod n, and ``finish`` gathers the rounds to rank 0: a process's
+    speed comes in stretches of its own (CHOCO-SGD's top-k ran 104-162 ms a
+    step in one process while the job's ranks averaged 156 ms), so timing one
+    process alone samples one of them. Virtual ranks share one process and
+    rank 0 times them all.
 
     ``policy`` cached reuses the cache's reference of ``key`` unless the load
     average has moved by more than ``margin`` since it was taken; fresh
@@ -212,6 +219,10 @@ class SingleRankReference:
         self.key, self.directory, self.policy, self.margin = key, directory, policy, margin
         self.threads, self.job_alone = threads, job_alone or own_steps
         self.rounds = rounds
+        # round k on rank k mod n (processes; ranks in one process share its speed, rank 0 times them)
+        self.rotate = bool(getattr(engine, "processes", False)) and engine.size > 1
+        self.taken: list[str] = []  # every item timed so far, in order (the same list on every rank)
+        self.timed: dict[int, float] = {}  # this rank's: item index -> seconds
         self.own = own_steps and steps - first + 1 >= rounds and torch.get_num_threads() == threads
         # training step -> what to time after it (pairs in alternating order: plain, wrapper, wrapper, plain, ...;
         # with the job's own steps as the wrapper's, plain steps alone)
@@ -228,6 +239,7 @@ class SingleRankReference:
         self.refreshed: str | None = None
         self.load_now: float | None = None
         self.samples: dict[str, list[float]] = {"wrapper": [], "plain": []}
+        self.ranks: list[int] = [0]  # the ranks that timed rounds
         self._built: dict[str, tuple[torch.nn.Module, Any]] | None = None
 
     def start(self) -> None:
@@ -250,7 +262,7 @@ class SingleRankReference:
         self.measuring = bool(self.engine.broadcast(flag, 0)[0] > 0)
 
     def after_step(self, step: int, step_s: float | None = None) -> None:
-        """After a training step (``step_s``: its time): on its turn, rank 0 times a reference step
+        """After a training step (``step_s``: its time): on its turn, one rank times a reference step
         while the others sleep."""
         turn = self.schedule.pop(step, [])
         if self.own and self.measuring and turn and step_s is not None and self.engine.rank == 0:
@@ -265,10 +277,12 @@ class SingleRankReference:
             self.schedule.clear()  # rounds training did not reach: the overhead pairs it did reach suffice
         elif self.own:  # too few timed steps after all (a run stopped early): time the wrapper too
             self.own, self.samples, self.left, self._built = False, {"wrapper": [], "plain": []}, self.pairs, None
+            self.taken, self.timed = [], {}
             self.schedule.clear()
         # What training did not reach (a short, resumed or diverged run): in rounds, order kept.
         self._take(self.left + [which for turn in self.schedule.values() for which in turn])
         self.schedule.clear()
+        self._gather()
         record = None
         if self.engine.rank == 0:
             record = self._measured() if self.measuring else {**self.cached, "source": "cache"}
@@ -280,11 +294,18 @@ class SingleRankReference:
         self._built = None
         return broadcast_json(self.engine, record)
 
-    # rank 0's side -------------------------------------------------------
+    # the measuring rank's side ----------------------------------------------
+    def _owner(self, item: int) -> int:
+        """The rank that times item ``item`` (items 2k and 2k + 1 are round k's pair)."""
+        return (item // 2) % self.engine.size if self.rotate and not self.own else 0
+
     def _take(self, turn: list[str]) -> None:
         if not (self.measuring and turn):
             return
-        if self.engine.rank == 0:
+        mine = [(len(self.taken) + i, which) for i, which in enumerate(turn)
+                if self._owner(len(self.taken) + i) == self.engine.rank]
+        self.taken.extend(turn)
+        if mine:
             saved = torch.get_num_threads()
             switch = saved != self.threads  # the job's ranks run fewer threads each than one rank alone
             if switch:
@@ -296,14 +317,29 @@ class SingleRankReference:
                     for _ in range(WARMUP_ROUNDS):
                         for which in kinds:
                             self._time(which)
-                for which in turn:
+                for item, which in mine:
                     if switch:  # threads that slept through the job's steps wake up in an untimed step
                         self._time(which)
-                    self.samples[which].append(self._time(which))
+                    self.timed[item] = self._time(which)
             finally:
                 if switch:
                     torch.set_num_threads(saved)
         quiet_barrier(self.engine)
+
+    def _gather(self) -> None:
+        """Every rank's rounds to rank 0, in their order (rank 0's own when it timed them all)."""
+        if not self.measuring:
+            return
+        timed = dict(self.timed)
+        if self.rotate:
+            for root in sorted({self._owner(i) for i in range(len(self.taken))} - {0}):
+                theirs = broadcast_json(self.engine, {str(k): v for k, v in self.timed.items()}, root)
+                timed.update({int(k): float(v) for k, v in theirs.items()})
+        if self.engine.rank == 0:
+            for item, which in enumerate(self.taken):
+                self.samples[which].append(timed[item])
+            self.ranks = sorted({self._owner(i) for i in range(len(self.taken))})
+        self.taken, self.timed = [], {}
 
     def _measured(self) -> dict:
         record = scaling.reference_figures(self.samples["wrapper"], self.samples["plain"], self.own_samples or None)
@@ -313,6 +349,7 @@ class SingleRankReference:
             "steps": len(self.own_samples or self.samples["wrapper"]),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "rounds": len(self.samples["plain"]),
+            "ranks": self.ranks,
             "threads": self.threads,
             "load_average_1min": self.load_now,
             "load_at_end_1min": load_average(),

@@ -201,8 +201,9 @@ def test_reference_rounds_go_between_training_steps_and_are_cached(tmp_path):
     for step in range(1, 11):
         ref.after_step(step)
     # every round went between steps 2..10, none was left for finish
-    assert len(ref.samples["wrapper"]) == len(ref.samples["plain"]) == 4 and not ref.schedule
+    assert ref.taken.count("wrapper") == ref.taken.count("plain") == 4 and not ref.schedule
     first = ref.finish()
+    assert len(ref.samples["wrapper"]) == len(ref.samples["plain"]) == 4 and first["ranks"] == [0]
     assert first["source"] == "measured" and first["refreshed"] is None and first["rounds"] == 4
     assert first["step_time_s_low"] <= first["step_time_s"] <= first["step_time_s_high"]
     assert first["framework_overhead_fraction_low"] <= first["framework_overhead_fraction"]
@@ -233,9 +234,10 @@ def test_a_one_rank_job_is_its_own_reference(tmp_path):
     after = [step for step in range(1, 11) if ref.schedule.get(step)]
     for step in range(1, 11):
         ref.after_step(step, job_steps[step])
-    assert ref.samples["wrapper"] == [job_steps[s] for s in after] and len(ref.samples["plain"]) == 3
+    assert ref.samples["wrapper"] == [job_steps[s] for s in after] and ref.taken == ["plain"] * 3
     own = [job_steps[s] for s in range(2, 11)]
     record = ref.finish(own)
+    assert len(ref.samples["plain"]) == 3
     assert record["wrapper_steps"] == "the job's own training steps" and record["steps"] == 9 and record["rounds"] == 3
     assert record["step_time_s"] == statistics.median(own)
     overhead = statistics.median(w / p - 1 for w, p in zip(ref.samples["wrapper"], ref.samples["plain"]))
@@ -425,9 +427,25 @@ def test_a_reference_cached_at_another_load_is_measured_again(bfexp, tmp_path):
     s = load(bfexp.cwd / "second" / "summary.json")
     ref = s["reference"]
     assert s["reference_source"] == "measured" and ref["source"] == "measured"
+    # round k ran on rank k mod 2 (each process's own speed), and rank 0 gathered all 30 rounds in order
+    assert ref["ranks"] == [0, 1] and ref["rounds"] == 30 and len(ref["step_times_s"]) > 0
     assert f"taken at load {busier:.2f}" in ref["refreshed"] and ref["measured_at"] != entry["measured_at"]
     assert "single-rank reference measured in this job" in proc.stdout and "taken at load" in proc.stdout
     assert abs(json.loads(path.read_text())["load_average_1min"] - busier) > 40
+
+
+def test_reference_rounds_run_on_every_process_in_turn(bfexp, tmp_path):
+    """Round k of the single-rank reference runs on rank k mod n where ranks are processes (each
+    process's speed comes in stretches of its own), gathered to rank 0 in order; virtual ranks share
+    one process and rank 0 times every round."""
+    args = ("model=mlp", "dataset=digits", "ranks=3", "steps=20", "scaling.reference=fresh",
+            "scaling.reference_steps=7", f"scaling.reference_cache={tmp_path / 'cache'}")
+    for engine, ranks in (("mpi", [0, 1, 2]), ("threads", [0])):
+        proc = bfexp(*args, f"engine={engine}", f"hydra.run.dir={engine}")
+        assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
+        ref = load(bfexp.cwd / engine / "summary.json")["reference"]
+        assert ref["source"] == "measured" and ref["ranks"] == ranks and ref["rounds"] == 7
+        assert len(ref["step_times_s"]) == 7 and ref["wrapper_steps"] == "timed rounds"
 
 
 def test_throughput_only_resnet50_on_the_v100_cluster(bfexp):
