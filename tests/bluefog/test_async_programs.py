@@ -18,6 +18,7 @@ under ``bfexp-run`` (large).
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from bfexp.topology import Ring
 from tests.bluefog.test_bluefog import digits, port
 
 ERROR = re.compile(r"^\[rank (\d+)\] rank \d+: relative error (\S+) p (\S+) mean p (\S+)$", re.M)
+MASS = re.compile(r"^\[rank (\d+)\] rank \d+: mass error (\S+)$", re.M)
 ACCURACY = re.compile(r"^\[rank (\d+)\] rank \d+: accuracy by epoch \[(.*)\] mean final (\S+)$", re.M)
 
 
@@ -51,6 +53,8 @@ def consensus_errors(out: str, n: int) -> tuple[list[float], list[float]]:
     assert sorted(found) == list(range(n)), out[-2000:]
     for _, _, mean_p in found.values():
         assert abs(mean_p - 1.0) < 1e-12  # push-sum moves weight, never makes or loses any
+    mass = {int(r): float(e) for r, e in MASS.findall(out)}
+    assert sorted(mass) == list(range(n)) and max(mass.values()) < 1e-10, mass  # nor any of x
     return [found[r][0] for r in range(n)], [found[r][1] for r in range(n)]
 
 
@@ -170,8 +174,8 @@ for argv in {runs!r}:
 @pytest.mark.large
 def test_async_programs_on_mpi_ranks_and_virtual_ranks_agree(tmp_path, capsys):
     """Both programs, one after the other, under `bfexp-run -n 4` (MPI processes, one launch) and
-    `bfexp-run -n 4 --engine threads`: consensus at the true mean on both; the win-put loop's final
-    accuracy (mean of the ranks) within a few points of MPI's."""
+    `bfexp-run -n 4 --engine threads`: consensus keeps the sums of x and p on both and reaches the true mean
+    on virtual ranks; the win-put loop's final accuracy (mean of the ranks) within a few points of MPI's."""
     consensus, training = port("average_consensus", tmp_path), port("win_put_training", tmp_path)
     runs = [[str(consensus), "--asynchronous-mode"],
             [str(training), *digits(tmp_path), "--epochs", "8", "--lr", "0.05"]]
@@ -183,11 +187,14 @@ def test_async_programs_on_mpi_ranks_and_virtual_ranks_agree(tmp_path, capsys):
     outs = {"mpi": proc.stdout, "virtual": bfexp_run(["-n", "4", "--engine", "threads", "python", str(driver)], capsys)}
     accuracy = {}
     for kind, out in outs.items():
-        errors, ps = consensus_errors(out, 4)
+        errors, ps = consensus_errors(out, 4)  # on both: the sums of x and p kept whatever the order
         print(f"{kind}: consensus relative errors {errors}, p {ps}")
-        # MPI: as far as the OS let the 4 processes' loops overlap (on a loaded 2-core machine a rank
-        # ended holding all the weight, p = 4, and the error 4.5e-11); virtual ranks take turns op by op.
-        assert max(errors) < (1e-6 if kind == "mpi" else 1e-10), (kind, errors)
+        # Virtual ranks take turns op by op: the mean. MPI ranks mix as far as the OS let the 4 processes'
+        # loops overlap, which no program controls (tests/bluefog/test_bluefog.py's SCHEDULE_DEPENDENT_ON_MPI):
+        # on a loaded 2-core machine a rank once ended holding all the weight at 4.5e-11 from the mean, and
+        # once the estimates ended 0.2 away with p = [1e-29, 2, 2e-38, 2], as when ranks 1 and 3 finish their
+        # loops first and ranks 0 and 2, pushing on alone, hand them all their weight (2/3 of it a round).
+        assert all(e < 1e-10 for e in errors) if kind == "virtual" else all(map(math.isfinite, errors)), (kind, errors)
         finals = {float(mean) for _, _, mean in ACCURACY.findall(out)}
         assert len(finals) == 1, out[-2000:]
         accuracy[kind] = finals.pop()

@@ -5,8 +5,8 @@ import torch
 # Average consensus as BlueFog's example programs write it: neighbor_allreduce rounds, or, with
 # --asynchronous-mode, push-sum on one-sided windows (win_accumulate with the associated weight p,
 # win_update_then_collect), with no barrier inside the loop. Every rank prints its relative error
-# against the true mean (an allreduce of the start values) and its p; the last line is parsed by the
-# tests (tests/bluefog/test_async_programs.py).
+# against the true mean (an allreduce of the start values), its p, and the error of the sum of x that
+# push-sum conserves; the last two lines are parsed by the tests (tests/bluefog/test_async_programs.py).
 
 parser = argparse.ArgumentParser(description="average consensus, BlueFog style")
 parser.add_argument("--data-size", type=int, default=1000)
@@ -56,4 +56,7 @@ else:
     bf.win_free(name="x")
 
 p_mean = bf.allreduce(torch.tensor([p], dtype=torch.double), average=True).item()
+# what push-sum keeps in any order of the ranks' loops: the sum of x (p times each estimate)
+mass_error = relative_error(bf.allreduce(x * p, average=True))
+print(f"rank {bf.rank()}: mass error {mass_error:.3e}")
 print(f"rank {bf.rank()}: relative error {relative_error(x):.3e} p {p:.6g} mean p {p_mean:.17g}")
