@@ -79,6 +79,8 @@ def test_every_job_records_where_it_ran(study):
         assert len(set(cluster["link_rate"].values())) == 1
         assert job["run_machines"] == HOSTS and job["contention"] is None
         assert job["time_source"] == "measured" and job["modeled"]["cluster"] == "emulated"
+        # the single-rank reference's rounds ran on every host in turn, under the same quota
+        assert job["reference"]["ranks"] == [0, 1, 2] and job["reference"]["rounds"] == 8
 
 
 def test_measured_step_times_are_what_the_cost_model_prices(study):
