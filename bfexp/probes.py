@@ -330,15 +330,15 @@ class SingleRankReference:
         """Every rank's rounds to rank 0, in their order (rank 0's own when it timed them all)."""
         if not self.measuring:
             return
+        owners = sorted({self._owner(i) for i in range(len(self.taken))})
         timed = dict(self.timed)
-        if self.rotate:
-            for root in sorted({self._owner(i) for i in range(len(self.taken))} - {0}):
-                theirs = broadcast_json(self.engine, {str(k): v for k, v in self.timed.items()}, root)
-                timed.update({int(k): float(v) for k, v in theirs.items()})
+        for root in (r for r in owners if r != 0):  # none where rank 0 timed every round
+            theirs = broadcast_json(self.engine, {str(k): v for k, v in self.timed.items()}, root)
+            timed.update({int(k): float(v) for k, v in theirs.items()})
         if self.engine.rank == 0:
             for item, which in enumerate(self.taken):
                 self.samples[which].append(timed[item])
-            self.ranks = sorted({self._owner(i) for i in range(len(self.taken))})
+            self.ranks = owners
         self.taken, self.timed = [], {}
 
     def _measured(self) -> dict:
