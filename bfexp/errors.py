@@ -14,7 +14,8 @@
 * ``CommError``: ranks disagree on a communication (a mismatched neighbor
   pattern); raised on every rank at run time instead of a hang.
   ``RankAborted``: raised in a virtual rank because another one failed or
-  the job was stopped.
+  the job was stopped. ``Hung``: virtual ranks the hang watchdog found stuck
+  (bfexp-run ends with it, exit 1).
 * Anything else is a bug in bfexp (or in the user's own code) and shows its
   traceback.
 
@@ -41,6 +42,7 @@ __all__ = [
     "CommError",
     "ConfigError",
     "DatasetError",
+    "Hung",
     "Interrupted",
     "LaunchError",
     "NoJobsError",
@@ -96,6 +98,10 @@ class CommError(BfexpError, RuntimeError):
 
 class RankAborted(RuntimeError):
     """Raised in a rank thread because another rank failed or the job was stopped."""
+
+
+class Hung(BfexpError):
+    """Virtual ranks that the hang watchdog found stuck (the message names them and their calls)."""
 
 
 class Interrupted(BaseException):

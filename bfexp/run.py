@@ -366,17 +366,13 @@ class _Tagged:
 # ------------------------------------------------------------------ engine=threads
 
 
-class Hung(Exception):
-    """Virtual ranks that the hang watchdog found stuck (the message names them and their calls)."""
-
-
-
 def launch_threads(args: argparse.Namespace, target: list[str], script_args: list[str]) -> int:
     import contextlib
     import runpy
 
     from bfexp import api
     from bfexp.comm.threads import routed_output
+    from bfexp.errors import Hung
 
     saved_argv = sys.argv
     if target[0] == "-m":
