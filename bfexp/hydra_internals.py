@@ -1,4 +1,14 @@
-"""The one use bfexp makes of Hydra's private code to run a command line, and why.
+"""Every use bfexp makes of Hydra's private code (``hydra._internal``, and the one method it replaces), and why.
+No other module of bfexp imports ``hydra._internal`` (tests/test_backends.py holds it to that).
+
+* ``known_mode``: Hydra's run mode read from the command line (below).
+* ``flag_actions`` and ``parse_flags``: Hydra's own command-line parser, so that bfexp orders the
+  arguments as it accepts them and refuses a bad flag in one line (bfexp.cli.hydra_argument_order,
+  refuse_bad_flags); Hydra offers no public parser.
+* ``sweep_batches``: a sweep's points as Hydra's basic sweeper splits them (bfexp.cli.sweep_points checks
+  every point before the first job runs).
+
+The run mode:
 
 Hydra 1.3's ``hydra.main`` composes the whole configuration once only to read ``hydra.mode``
 (``Hydra.get_mode``), then composes it again for the run: every ``bfexp`` command paid for two
@@ -15,8 +25,9 @@ it runs a job or the answer here differs from the composed one.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 
 def mode_from_arguments(args: list[str]) -> tuple[bool, Any]:
@@ -62,3 +73,28 @@ def known_mode(args: list[str]) -> Iterator[None]:
         yield
     finally:
         Hydra.get_mode = composing
+
+
+def flag_actions() -> dict[str, argparse.Action]:
+    """Hydra's command-line flags (``-m``, ``--cfg``, ``-cd``, ...) -> their argparse actions."""
+    from hydra._internal.utils import get_args_parser
+
+    return dict(get_args_parser()._option_string_actions)
+
+
+def parse_flags(args: list[str], refuse: Callable[[str], Any]) -> argparse.Namespace:
+    """``args`` parsed as Hydra's command line parses them; what its parser refuses goes to ``refuse``
+    (its message) instead of Hydra's usage and exit."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.error = refuse  # type: ignore[method-assign]  # this parser only: Hydra makes a new one each call
+    return parser.parse_args(args)
+
+
+def sweep_batches(overrides: Sequence[Any]) -> list[list[list[str]]]:
+    """Parsed overrides -> the sweep's jobs, each a list of ``key=value`` overrides, in the batches Hydra's
+    basic sweeper runs (all of them in one batch: no max_batch_size)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return BasicSweeper.split_arguments(list(overrides), None)
