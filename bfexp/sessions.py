@@ -12,7 +12,6 @@ before torch).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -21,14 +20,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 from bfexp import results, watchdog
 from bfexp.launchers import TIMEOUT_VARIABLE, Launcher, processor_slots
 from bfexp.preflight import PROCESS_RANK_BYTES, available_memory
 
-__all__ = ["EarlyRanks", "killed_rank", "lost_host", "launcher_command", "launcher_environment", "rank_environment", "session_processes",
-           "start_ranks", "terminate_session", "worker_command"]
+__all__ = ["EarlyRanks", "launcher_command", "launcher_environment", "rank_environment", "session_processes",
+           "start_process_ranks", "start_ranks", "terminate_session", "worker_command"]
 
 # Environment that marks a process as part of an MPI job; a child mpiexec
 # that inherits it believes it is nested and fails.
@@ -82,15 +81,25 @@ def launcher_environment(launcher: Launcher, ranks: int, timeout_s: float = 0.0)
     return launcher.environment(ranks, env)
 
 
+def start_process_ranks(launcher: Launcher, ranks: int, program: Sequence[str], env: dict[str, str],
+                        stdout: IO[bytes] | None, stderr: IO[bytes] | int | None = subprocess.STDOUT,
+                        mpiexec_args: Sequence[str] = ()) -> subprocess.Popen:
+    """``ranks`` ranks, each running ``program``, started by the launcher's command in a session of its own
+    (bfexp and bfexp-run alike): the machines made ready first (Launcher.prepare), the ranks told who their
+    driver is (they end themselves when it is gone), ``env`` carried to other machines."""
+    launcher.prepare(ranks)
+    env = {**env, watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()}
+    command = launcher.command(ranks, list(program), [*launcher.forward_environment(env), *mpiexec_args])
+    return subprocess.Popen(command, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, cwd=os.getcwd(),
+                            start_new_session=True)  # one session holds mpiexec and every rank it starts
+
+
 def start_ranks(launcher: Launcher, cfg: Any, run_dir: Path, log: IO[bytes],
                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """The launcher's command starting the job's ranks in a session of its own, its output into ``log``."""
     env = launcher_environment(launcher, int(cfg.ranks), float(cfg.get("timeout_s", 0) or 0)) | (env or {})
-    launcher.prepare(int(cfg.ranks))
-    env.update({watchdog.DRIVER_PID: str(os.getpid()), watchdog.DRIVER_HOST: socket.gethostname()})
-    return subprocess.Popen(launcher_command(launcher, cfg, worker_command(run_dir), env), stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=os.getcwd(),
-                            start_new_session=True)  # one session holds mpiexec and every rank it starts
+    args = [str(a) for a in cfg.engine.get("mpiexec_args", [])]
+    return start_process_ranks(launcher, int(cfg.ranks), worker_command(run_dir), env, log, mpiexec_args=args)
 
 
 def session_processes(sid: int) -> list[int]:
@@ -130,97 +139,6 @@ def terminate_session(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         pass
-
-
-_KILLED = re.compile(r"process\s+rank\s+(\d+)\s+with\s+PID\s+(\d+)\s+on\s+node\s+(\S+)\s+exited\s+on\s+signal\s+(\d+)")
-
-
-def killed_rank(run_dir: Path) -> str | None:
-    """mpiexec's word on a rank that died by a signal (e.g. SIGKILL by the OOM killer)."""
-    try:
-        text = (Path(run_dir) / results.LOGS_DIR / "mpiexec.log").read_text(errors="replace")
-    except OSError:
-        return None
-    m = _KILLED.search(text)
-    if not m:
-        return None
-    rank, pid, node, sig = m.groups()
-    try:
-        name = signal.Signals(int(sig)).name
-    except ValueError:
-        name = f"signal {sig}"
-    return f"rank {rank} (pid {pid} on {node}) was killed by {name}"
-
-
-# mpiexec's words for another machine it lost, and what each means.
-_LOST = ((re.compile(r"Remote daemon:.*\son node\s+(\S+)"), "lost: its daemon stopped answering (the host or its link is down)"),
-         (re.compile(r"daemon failed to report back.*?Remote host:\s+(\S+)", re.S),
-          "lost: its daemon stopped answering (the host or its link is down)"),
-         (re.compile(r"Peer host:\s+(\S+)"), "a rank there ended without a word (killed, or its host is down)"))
-# Open MPI's report of a rank it ended on an MPI error (MPI_ERRORS_ARE_FATAL: help-mpi-errors.txt), the rank
-# being the second number of "[job,rank]"; and the errors that mean a connection to another rank closed.
-_FATAL = re.compile(r"\*\*\* An error occurred in ([^\n]+)\n(?:[^\n]*\n)?[^\n]*\*\*\* reported by process \[\d+,(\d+)\]")
-_PEER_GONE = re.compile(r"socket closed|connection|peer|unreachable", re.I)
-# srun's word on a task ("srun: error: hostB: task 1: Killed") and on tasks it never heard from again.
-_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$", re.M)
-_SRUN_UNHEARD = "Timed out waiting for job step to complete"
-
-
-def _task_numbers(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in spec.split(","):
-        low, _, high = part.partition("-")
-        out.update(range(int(low), int(high or low) + 1))
-    return out
-
-
-def _on_host(hosts_of: dict[int, str | None], host: str) -> str:
-    """" (rank 1)" or " (ranks 2, 3)": the ranks whose heartbeats said they ran on ``host``."""
-    ranks = sorted(r for r, h in hosts_of.items() if h == host)
-    return f" ({'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))})" if ranks else ""
-
-
-def lost_host(run_dir: Path) -> str | None:
-    """The launcher's word (logs/mpiexec.log) on a machine whose daemon or ranks vanished, with the ranks that
-    ran there (from their heartbeats): "host hostB (rank 1) lost: ..."; or on a rank killed there."""
-    try:
-        text = (Path(run_dir) / results.LOGS_DIR / "mpiexec.log").read_text(errors="replace")
-    except OSError:
-        return None
-    hosts_of = {r: hb.get("host") for r, hb in watchdog.read_heartbeats(run_dir).items()}
-    for pattern, meaning in _LOST:  # mpirun
-        m = pattern.search(text)
-        if m:
-            return f"host {m.group(1)}{_on_host(hosts_of, m.group(1))} {meaning}"
-    # A rank Open MPI ended because its connection to another rank closed: with mpirun, a rank killed on another
-    # machine is often heard of this way first (its own death, reported by its host's daemon, loses the race).
-    reporters = {int(m.group(2)): m.group(1).strip() for m in _FATAL.finditer(text)}
-    gone = [(r, what) for r, what in reporters.items() if _PEER_GONE.search(what)]
-    others = [r for r in sorted(hosts_of) if r not in reporters]
-    if gone and others:
-        def rank_on(r: int) -> str:
-            return f"rank {r}" + (f" on {hosts_of[r]}" if hosts_of.get(r) else "")
-
-        named = [rank_on(r) for r in others]
-        rank, what = gone[0]
-        said = f"({rank_on(rank)} lost its connection to it: {what})"
-        if len(named) == 1:
-            return f"{named[0]} ended without a word (killed, or its host or link is down) {said}"
-        return (f"a rank ended without a word (killed, or its host or link is down) {said}; one of "
-                f"{', '.join(named[:8])}{', ...' if len(named) > 8 else ''}")
-    tasks = list(_SRUN_TASK.finditer(text))  # srun
-    if _SRUN_UNHEARD in text:  # tasks srun never heard from again: their machine is gone
-        heard = set().union(*(_task_numbers(m.group(2)) for m in tasks))
-        unheard = {h for r, h in hosts_of.items() if r not in heard}
-        if unheard and None not in unheard:  # every unheard rank said where it ran
-            return "; ".join(f"host {h}{_on_host(hosts_of, h)} lost: srun never heard from its tasks again "
-                             "(the host or its link is down)" for h in sorted(unheard))
-    # Tasks that died by a signal; the others exited, most of them aborting because a peer vanished (Open MPI's
-    # exit code 14). srun reports them in the order it hears, which under load is not the order they died in.
-    killed = [m for m in tasks if "Killed" in m.group(3) or "signal" in m.group(3)]
-    if killed:
-        return "; ".join(f"rank {m.group(2)} on {m.group(1)}: {m.group(3).strip().lower()} (srun)" for m in killed)
-    return None
 
 
 class EarlyRanks:

@@ -18,8 +18,9 @@ supervises whatever it started:
 * ``forward_environment(env)``: the arguments that carry the ranks' environment to other machines
   (mpirun passes only what ``-x`` names; srun passes all of it);
 * after a job that failed: ``unreachable(hosts)``, which of the machines its stuck ranks ran on do
-  not answer (to name a host or link that is down), and ``clean_up(ranks)``, what the launcher's
-  daemons, if killed, left on the machines.
+  not answer (to name a host or link that is down), ``diagnose(log, hosts)``, what its own output
+  says happened (a rank killed, a machine lost) where no rank could say, and ``clean_up(ranks)``,
+  what the launcher's daemons, if killed, left on the machines.
 
 A launcher of a user's own package plugs in the same way
 (``launcher._target_=mypkg.MyLauncher``, or a YAML in ``--config-dir``).
@@ -125,6 +126,16 @@ class Launcher:
         """Which of ``hosts`` (other machines) do not answer now, and why: asked about the machines of a
         failed job's stuck ranks. Default: ssh (``ssh_probe``)."""
         return {h: why for h, why in ssh_probe(hosts, PROBE_S).items() if why}
+
+    def diagnose(self, log: str, hosts: dict[int, str | None]) -> str | None:
+        """After ranks that exited with an error none of them recorded: why, in one line, from the launcher's
+        own output (``log``: the job's logs/mpiexec.log), naming ranks and machines with ``hosts`` (rank ->
+        the machine its heartbeat said it ran on), e.g. "host hostB (rank 1) lost: ..."; None when it does
+        not say. Default: Open MPI's words (bfexp.launchers.openmpi), which its ranks and runtime print
+        under any launcher."""
+        from bfexp.launchers.openmpi import diagnose
+
+        return diagnose(log, hosts)
 
     def clean_up(self, ranks: int) -> None:
         """After a job that failed: remove what the launcher's own daemons leave when they are killed."""

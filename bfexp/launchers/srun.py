@@ -5,14 +5,20 @@ plugin; nodes = ceil(ranks / ranks_per_node)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import ClassVar, Sequence
 
 from bfexp.errors import ConfigError, LaunchError, number_in
 from bfexp.launchers.base import Launcher
 from bfexp.launchers.mpirun import check_interface
+from bfexp.launchers.openmpi import ranks_on
 
-__all__ = ["Srun", "allocation_nodes", "nodes_for", "tasks_per_node"]
+__all__ = ["Srun", "allocation_nodes", "diagnose_srun", "nodes_for", "tasks_per_node"]
+
+# srun's word on a task ("srun: error: hostB: task 1: Killed") and on tasks it never heard from again.
+_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$", re.M)
+_SRUN_UNHEARD = "Timed out waiting for job step to complete"
 
 
 def nodes_for(ranks: int, ranks_per_node: int) -> int:
@@ -30,6 +36,32 @@ def tasks_per_node(ranks: int, ranks_per_node: int) -> int:
 def allocation_nodes() -> int:
     """Nodes of the Slurm allocation this process runs in."""
     return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+
+
+def _task_numbers(spec: str) -> set[int]:
+    out: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def diagnose_srun(log: str, hosts: dict[int, str | None]) -> str | None:
+    """srun's word on a machine whose tasks it never heard from again ("host hostB (rank 1) lost: ..."), or on
+    tasks that died by a signal ("rank 1 on hostB: killed (srun)"); ``hosts``: rank -> machine (heartbeats)."""
+    tasks = list(_SRUN_TASK.finditer(log))
+    if _SRUN_UNHEARD in log:  # tasks srun never heard from again: their machine is gone
+        heard = set().union(*(_task_numbers(m.group(2)) for m in tasks))
+        unheard = {h for r, h in hosts.items() if r not in heard}
+        if unheard and None not in unheard:  # every unheard rank said where it ran
+            return "; ".join(f"host {h}{ranks_on(hosts, h)} lost: srun never heard from its tasks again "
+                             "(the host or its link is down)" for h in sorted(unheard))  # type: ignore[type-var]
+    # Tasks that died by a signal; the others exited, most of them aborting because a peer vanished (Open MPI's
+    # exit code 14). srun reports them in the order it hears, which under load is not the order they died in.
+    killed = [m for m in tasks if "Killed" in m.group(3) or "signal" in m.group(3)]
+    if killed:
+        return "; ".join(f"rank {m.group(2)} on {m.group(1)}: {m.group(3).strip().lower()} (srun)" for m in killed)
+    return None
 
 
 def find_srun() -> str:
@@ -79,6 +111,10 @@ class Srun(Launcher):
             raise ConfigError(f"ranks={ranks} at launcher.ranks_per_node={self.ranks_per_node} need {nodes} nodes; "
                               f"the allocation has {allocation_nodes()}; allowed: ranks <= "
                               f"{allocation_nodes() * self.ranks_per_node} or a bigger allocation")
+
+    def diagnose(self, log: str, hosts: dict[int, str | None]) -> str | None:
+        """Open MPI's words (its ranks), then srun's own (``diagnose_srun``)."""
+        return super().diagnose(log, hosts) or diagnose_srun(log, hosts)
 
     def environment(self, ranks: int, env: dict[str, str]) -> dict[str, str]:
         """Slurm's variables stay (srun reads its allocation from them); PMIx quiet about its security plugin."""
