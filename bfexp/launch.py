@@ -5,12 +5,13 @@ The driver (the Hydra process) never initializes MPI: mpiexec cannot be
 nested inside an MPI process. It writes the resolved config into the run
 directory, starts the launcher's command (`mpiexec -n R python -m mpi4py -m
 bfexp.worker RUN_DIR`; bfexp.sessions), or the ranks as threads of this
-process, follows rank 0's metrics stream for progress, and decides the
+process (bfexp.launchers.virtual), follows rank 0's metrics stream for progress, and decides the
 job's status. Ranks record their own failure in RUN_DIR/errors/rank<N>.json
 (results.record_failure) before they die, so the driver names the rank and
 the exception.
 
-Nothing lost, nothing hangs, nothing leaks:
+Nothing lost, nothing hangs, nothing leaks (the stop rules: one ``Supervisor``, which
+bfexp-run's launches use too):
 
 * a stop signal (bfexp.signals) asks the ranks to stop at their next
   logging step and write a checkpoint (bfexp.checkpoint); the job ends
@@ -30,7 +31,6 @@ Nothing lost, nothing hangs, nothing leaks:
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -43,13 +43,13 @@ from typing import Any, Callable, Protocol
 
 from omegaconf import OmegaConf
 
-from bfexp import budget, cgroups, checkpoint, config, results, summary as summaries, watchdog
+from bfexp import budget, cgroups, checkpoint, results, summary as summaries, watchdog
 from bfexp.config import job_kind, launcher_of
-from bfexp.launchers import Launcher
+from bfexp.launchers import Launcher, Local
 from bfexp.preflight import check_engine, resolve_engine
-from bfexp.sessions import TERMINATE_GRACE_S, EarlyRanks, killed_rank, lost_host, start_ranks, terminate_session
+from bfexp.sessions import EarlyRanks, start_ranks, terminate_session
 from bfexp.signals import SIGNALS, Signals
-from bfexp.watchdog import Watchdog, dump_thread_stacks, live_heartbeats, read_heartbeats, signal_stack_dumps
+from bfexp.watchdog import Watchdog, read_heartbeats, signal_stack_dumps
 
 # How often the watch loop looks at the ranks (seconds).
 POLL_S = 0.1
@@ -75,7 +75,8 @@ def write_job_config(cfg: Any, run_dir: Path) -> None:
 
 
 class Ranks(Protocol):
-    """A job's ranks as the watch loop sees them: processes of a session, or threads of this process."""
+    """A job's ranks as the watch loop sees them: processes of a session (``ProcessRanks``), or threads of
+    this process (bfexp.launchers.virtual)."""
 
     waits: Callable[[], dict] | None  # who waits for whom (virtual ranks), for a hang's description
 
@@ -111,87 +112,75 @@ class ProcessRanks:
         time.sleep(DUMP_WAIT_S)
 
 
-class ThreadRanks:
-    """Virtual ranks: the threads of a ThreadWorld."""
+class Supervisor:
+    """The stop rules of one watch over a job's ranks, for bfexp's jobs and bfexp-run's launches alike.
 
-    def __init__(self, world: Any, run_dir: Path) -> None:
-        self.world, self.run_dir, self.waits = world, run_dir, world.waits
+    * A stop signal (``signals``): a job (``job``: its config and run folder) asks its ranks to stop at
+      their next logging step and write a checkpoint, and a second signal ends them at once (``status``
+      interrupted either way); without ``job`` (bfexp-run) the first signal ends them.
+    * Hung ranks (the watchdog ``hangs``): ended, named with their calls (their stacks, when ``dump``,
+      dumped into their logs first; ``stacks`` says where in the message); ``stuck`` keeps them.
+    * A rank that failed: the others get ``failure_grace_s`` to go down with it; then the watch ends
+      (``end_failed``: ends them, "a rank failed"; else leaves them to the caller).
+    """
 
-    def running(self, wait_s: float) -> bool:
-        return not self.world.join(wait_s)
-
-    def failed(self) -> bool:
-        return self.world.failed
-
-    def end(self, reason: str) -> None:
-        from bfexp.errors import RankAborted
-
-        self.world.abort(RankAborted(reason))  # every rank raises at its next engine call, or wakes in a wait
-        self.world.join(TERMINATE_GRACE_S)
-
-    def dump_stacks(self, stuck: dict) -> None:
-        dump_thread_stacks(self.run_dir, stuck)
-
-
-def watch(ranks: Ranks, stop: Callable[[], str | None], follow: Callable[[], None] = lambda: None) -> str | None:
-    """Watch ``ranks`` until they end: ``follow`` their output, end them when ``stop`` gives a reason (returned),
-    or when a rank failed and the rest did not follow it down within FAILURE_GRACE_S."""
-    failure_seen_at: float | None = None
-    while ranks.running(POLL_S):
-        reason = stop()  # first: a stop signal reaches the ranks however long following their output takes
-        follow()
-        if reason:
-            ranks.end(reason)
-            return reason
-        if ranks.failed():
-            failure_seen_at = failure_seen_at or time.monotonic()
-            if time.monotonic() - failure_seen_at > FAILURE_GRACE_S:
-                return None  # a rank failed and the rest did not go down with it (some stuck outside the engine)
-    return None
-
-
-class Ending:
-    """A runner job's reasons to end early: stop signals and the hang watchdog, with the status each gives."""
-
-    def __init__(self, cfg: Any, run_dir: Path, hangs: Watchdog, signals: Signals) -> None:
-        self.cfg, self.run_dir, self.hangs, self.signals = cfg, run_dir, hangs, signals
-        self.handled = signals.job_start
+    def __init__(self, hangs: Watchdog, signals: Signals | None = None, *, job: tuple[Any, Path] | None = None,
+                 failure_grace_s: float = FAILURE_GRACE_S, end_failed: bool = False, dump: bool = True,
+                 stacks: str | None = "logs/rank<N>.log") -> None:
+        self.hangs, self.signals, self.job = hangs, signals, job
+        self.failure_grace_s, self.end_failed, self.dump, self.stacks = failure_grace_s, end_failed, dump, stacks
+        self.handled = signals.job_start if signals is not None else 0
         self.status = results.FAILED
         self.stuck: list[dict] | None = None
 
-    def reason(self, ranks: Ranks) -> str | None:
-        """Why to end the job now, if at all (hung ranks dump their stacks first)."""
-        reason = self.signal_reason() or self.hang_reason(ranks.waits)
-        if self.stuck:
-            ranks.dump_stacks(self.hangs.latest)
-        return reason
+    def watch(self, ranks: Ranks, follow: Callable[[], None] = lambda: None) -> str | None:
+        """Watch ``ranks`` until they end: ``follow`` their output; end them when a rule gives a reason (returned)."""
+        failure_seen_at: float | None = None
+        while ranks.running(POLL_S):
+            reason = self.signal_reason() or self.hang_reason(ranks)  # first: a signal acts however long follow takes
+            follow()
+            if not reason and ranks.failed():
+                failure_seen_at = failure_seen_at or time.monotonic()
+                if time.monotonic() - failure_seen_at > self.failure_grace_s:
+                    if not self.end_failed:
+                        return None  # a rank failed and the rest did not go down with it (some stuck outside the engine)
+                    reason = "a rank failed"
+            if reason:
+                ranks.end(reason)
+                return reason
+        return None
 
     def signal_reason(self) -> str | None:
-        """A new stop signal: the first asks for a stop at a step boundary, a second ends at once."""
-        received = self.signals.received
-        if len(received) == self.handled:
+        """A new stop signal: a job's first asks for a stop at a step boundary, a second ends at once."""
+        if self.signals is None or len(self.signals.received) == self.handled:
             return None
+        received = self.signals.received
         first = len(received) - self.signals.job_start == 1
         self.handled = len(received)
         name = signal.Signals(received[-1]).name
         self.status = results.INTERRUPTED
+        if self.job is None:
+            return f"interrupted by {name}"
         if not first:
             return f"interrupted by {name} (a second signal: ended at once)"
-        if not (self.hangs.training_started() or (self.run_dir / results.METRICS).exists()
-                or budget.logged(self.run_dir)):
+        cfg, run_dir = self.job
+        if not (self.hangs.training_started() or (run_dir / results.METRICS).exists() or budget.logged(run_dir)):
             return f"interrupted by {name} before training started"
-        checkpoint.request_stop(self.run_dir, f"{name} to the driver")
-        print(f"bfexp: {name}: the ranks stop at their next logging step (log_every={self.cfg.log_every}) and write "
+        checkpoint.request_stop(run_dir, f"{name} to the driver")
+        print(f"bfexp: {name}: the ranks stop at their next logging step (log_every={cfg.log_every}) and write "
               "a checkpoint; send the signal again to end them at once", file=sys.stderr, flush=True)
         return None
 
-    def hang_reason(self, waits: Callable[[], dict] | None = None) -> str | None:
-        """The watchdog's verdict: the stuck ranks (``waits``: who waits for whom, virtual ranks)."""
+    def hang_reason(self, ranks: Ranks) -> str | None:
+        """The watchdog's verdict: the stuck ranks, with who waits for whom (virtual ranks)."""
         stuck = self.hangs.check()
         if not stuck:
             return None
         self.status, self.stuck = results.FAILED, stuck
-        return self.hangs.describe(stuck, waits() if waits else None)
+        reason = self.hangs.describe(stuck, ranks.waits() if ranks.waits else None, stacks=self.stacks)
+        if self.dump:
+            ranks.dump_stacks(self.hangs.latest)
+        return reason
 
 
 # ---------------------------------------------------------------- the two kinds of ranks
@@ -201,11 +190,11 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
                early: EarlyRanks | None = None) -> JobResult:
     """Run one job on process ranks (``early``: already started, waiting for the word to go)."""
     tail = budget.metrics_tail(cfg, run_dir)
-    watch_ranks = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
+    hangs = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
     started = time.monotonic()
     log = early.log if early is not None else open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb")
     with contextlib.closing(log), SIGNALS.job() as signals:
-        ending = Ending(cfg, run_dir, watch_ranks, signals)
+        supervisor = Supervisor(hangs, signals, job=(cfg, run_dir))
         if early is not None:
             proc = early.proc
             early.go()
@@ -213,19 +202,19 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
             proc = start_ranks(launcher, cfg, run_dir, log)
         ranks = ProcessRanks(proc, run_dir)
         try:
-            reason = watch(ranks, lambda: ending.reason(ranks), lambda: _follow(tail, on_record))
+            reason = supervisor.watch(ranks, lambda: _follow(tail, on_record))
         finally:
             ranks.end("the job is over")
             if early is not None:
                 early.close()
             cgroups.clean_up(cfg, run_dir)  # a CPU-starved rank's cgroup: none outlives the job
         if reason is not None or proc.returncode != 0:
-            reason = name_lost_hosts(launcher, reason, ending.stuck)
+            reason = name_lost_hosts(launcher, reason, supervisor.stuck)
             launcher.clean_up(int(cfg.ranks))
     _follow(tail, on_record)
     budget.merge_records(cfg, run_dir, "measured")
-    return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=ending.status,
-                  stuck=ending.stuck)
+    return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=supervisor.status,
+                  stuck=supervisor.stuck, launcher=launcher)
 
 
 def name_lost_hosts(launcher: Launcher, reason: str | None, stuck: list[dict] | None) -> str | None:
@@ -239,70 +228,25 @@ def name_lost_hosts(launcher: Launcher, reason: str | None, stuck: list[dict] | 
     return reason + "".join(f"; host {h} does not answer ({why})" for h, why in sorted(down.items()))
 
 
-def intra_op_threads(ranks: int) -> int:
-    """torch threads per rank: R ranks each using every core thrash the machine."""
-    return max(1, (os.cpu_count() or 1) // max(1, ranks))
-
-
 def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
-    """Run one job as virtual ranks: threads of this process, each running the worker's `run`, with MPI's files
-    and status rules (a raising rank records its failure and aborts the others at their next engine call)."""
-    import torch
-
-    from bfexp.comm.stacked import freed_memory_kept
-    from bfexp.comm.threads import ThreadWorld, routed_output
-    from bfexp.errors import RankAborted
-    from bfexp.worker import run
-
-    from bfexp.comm import engine_class
+    """Run one job as virtual ranks (bfexp.launchers.virtual), watched as process ranks are."""
+    from bfexp.launchers.virtual import VirtualRanks
 
     tail = budget.metrics_tail(cfg, run_dir)
-    timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
-    node = {**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}
-    # engine=stacked: ONE thread runs every rank as one batched program (bfexp.comm.stacked), supervised as a
-    # world of one virtual rank; its engine holds the job's ranks.
-    stacked = engine_class(cfg.engine.name).stacked
-    threads = 1 if stacked else int(cfg.ranks)
-    engine = config.build(node, "engine", **({"size": int(cfg.ranks)} if stacked else {}))  # (world, rank)
-    world = ThreadWorld(threads, 0 if stacked else cfg.engine.ranks_per_machine, timeline_dir=timeline_dir,
-                        engine=engine)
-    watch_ranks = Watchdog(float(cfg.timeout_s), threads, lambda: live_heartbeats(run_dir), processes=False)
-
-    def rank_main(engine: Any) -> dict:  # every rank reads the config the driver wrote, as an MPI rank does
-        return run(OmegaConf.load(run_dir / results.CONFIG), engine, run_dir)
-
-    def on_error(rank: int, exc: BaseException) -> None:
-        if not isinstance(exc, RankAborted):  # the others only follow the failed rank down
-            with contextlib.suppress(OSError):  # a full disk: the driver names the failure from world.errors
-                results.record_failure(run_dir, rank, exc)
-
+    ranks = VirtualRanks(cfg, run_dir)
+    hangs = Watchdog(float(cfg.timeout_s), ranks.threads, ranks.heartbeats, processes=False)
     started, reason = time.monotonic(), None
-    saved_threads = torch.get_num_threads()
-    # process-wide: set once, here. engine=stacked: one torch thread; its ops are many small batched
-    # kernels, which two threads on this shared 2-core machine ran 3-5x slower than one (128 ranks).
-    torch.set_num_threads(1 if stacked else intra_op_threads(threads))
     try:
-        with SIGNALS.job() as signals, routed_output(run_dir / results.LOGS_DIR), \
-                (freed_memory_kept() if stacked else contextlib.nullcontext()):
-            ending = Ending(cfg, run_dir, watch_ranks, signals)
-            ranks = ThreadRanks(world, run_dir)
-            world.start(rank_main, on_error)
-            reason = watch(ranks, lambda: ending.reason(ranks), lambda: _follow(tail, on_record))
+        with SIGNALS.job() as signals, ranks.started():
+            supervisor = Supervisor(hangs, signals, job=(cfg, run_dir))
+            reason = supervisor.watch(ranks, lambda: _follow(tail, on_record))
     except OSError:  # the rank logs could not be flushed (a full disk): the job's outcome stands
         pass
-    finally:
-        if not world.alive():  # a rank thread still inside torch keeps the pool it runs on
-            torch.set_num_threads(saved_threads)
     _follow(tail, on_record)
     budget.merge_records(cfg, run_dir, "simulated")
-    stuck = world.alive()
-    if stuck and reason is None and not world.errors:
-        reason = f"rank threads {stuck[:8]} did not finish"
-    own = {r: e for r, e in sorted(world.errors.items()) if not isinstance(e, RankAborted)}
-    fallback = next((f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                     for r, e in own.items()), None)
-    return finish(cfg, run_dir, 1 if world.errors or stuck else 0, reason, time.monotonic() - started,
-                  status=ending.status, stuck=ending.stuck, fallback=fallback)
+    returncode, reason, fallback = ranks.outcome(reason)
+    return finish(cfg, run_dir, returncode, reason, time.monotonic() - started, status=supervisor.status,
+                  stuck=supervisor.stuck, fallback=fallback)
 
 
 def _follow(tail: Any, on_record: Callable[[dict], None] | None) -> None:
@@ -315,11 +259,13 @@ def _follow(tail: Any, on_record: Callable[[dict], None] | None) -> None:
 
 
 def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, wall_s: float,
-           status: str = results.FAILED, stuck: list[dict] | None = None, fallback: str | None = None) -> JobResult:
+           status: str = results.FAILED, stuck: list[dict] | None = None, fallback: str | None = None,
+           launcher: Launcher | None = None) -> JobResult:
     """Decide the job's status from what the ranks left behind, and make sure summary.json says it.
 
     ``reason``: why the driver ended the job (a signal, a hang), with the ``status`` that gives;
-    ``fallback``: the failure the driver saw itself (virtual ranks) for when no rank could record one.
+    ``fallback``: the failure the driver saw itself (virtual ranks) for when no rank could record one;
+    ``launcher``: the process ranks' (its ``diagnose`` reads its log when no rank said why).
     """
     full = results.disk_full(run_dir)  # before the reserve is given back
     results.release_space(run_dir)
@@ -331,7 +277,7 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
             shutil.rmtree(run_dir / watchdog.HEARTBEAT_DIR, ignore_errors=True)
         return JobResult(ended, run_dir, summary, returncode)
     status = results.FAILED if errors or not reason else status
-    error = results.describe_errors(errors) if errors else reason or fallback or _exit_error(run_dir, returncode)
+    error = results.describe_errors(errors) if errors else reason or fallback or _exit_error(run_dir, returncode, launcher)
     if full and full not in error:
         error += f"; {full}"
     extra: dict[str, Any] = {"wall_time_s": wall_s}
@@ -345,11 +291,20 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
     return JobResult(status, run_dir, summary, returncode)
 
 
-def _exit_error(run_dir: Path, returncode: int | None) -> str:
+def _exit_error(run_dir: Path, returncode: int | None, launcher: Launcher | None) -> str:
     error = f"ranks exited with code {returncode} before finishing"
-    found = killed_rank(run_dir) or lost_host(run_dir) or results.exception_in_logs(run_dir) or \
-        results.launcher_reason(run_dir)
+    found = diagnosis(run_dir, launcher) or results.exception_in_logs(run_dir) or results.launcher_reason(run_dir)
     return f"{error}: {found}" if found else error
+
+
+def diagnosis(run_dir: Path, launcher: Launcher | None) -> str | None:
+    """The launcher's word, from its log, on ranks that went down unrecorded (Launcher.diagnose)."""
+    try:
+        log = (Path(run_dir) / results.LOGS_DIR / "mpiexec.log").read_text(errors="replace")
+    except OSError:
+        return None
+    hosts = {r: hb.get("host") for r, hb in read_heartbeats(run_dir).items()}
+    return (launcher or Local()).diagnose(log, hosts)
 
 
 # ---------------------------------------------------------------- one job

@@ -46,7 +46,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,8 +86,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="machines and their slots, e.g. n1:4,n2:4 (mpirun over ssh)")
     where.add_argument("--hostfile", help="Open MPI hostfile: `host slots=N` a line")
-    parser.add_argument("--engine", choices=("mpi", "threads"), default="mpi",
-                        help="mpi: one process a rank (default); threads: virtual ranks in this process")
+    parser.add_argument("--engine", default="mpi",
+                        help="mpi: one process a rank (default); threads: virtual ranks in this process; or an "
+                             "engine class's path (mylab.engines.MyEngine): its ranks processes or threads as it says")
     parser.add_argument("--network-interface", help="interface the ranks talk over (with --hosts/--hostfile)")
     parser.add_argument("--log-dir", help="write each rank's output to LOG_DIR/rank<N>.log instead of the terminal")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -100,9 +100,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
         bad(f"--timeout-s {args.timeout_s:g}; allowed: a number of seconds >= 0 (0: no bound)")
     if not args.command:
         bad("no command; allowed: python SCRIPT ARGS, e.g. bfexp-run -n 4 python train.py")
-    if args.engine == "threads" and (args.hosts or args.hostfile):
+    args.engine_facts = engine_facts_of(args.engine)
+    if not args.engine_facts.processes and (args.hosts or args.hostfile):
         bad("--hosts/--hostfile with --engine threads; allowed: --engine mpi across machines")
     return args
+
+
+def engine_facts_of(engine: str) -> Any:
+    """The facts of ``--engine`` (bfexp.comm.engine_facts: a shipped engine or a class's path), or exit 2: a
+    script runs on ranks that are processes or threads, not on one batched program of them all."""
+    from bfexp.comm import engine_facts, engine_options
+    from bfexp.errors import ConfigError
+
+    try:
+        facts = engine_facts(engine)
+    except ConfigError as e:
+        bad(str(e).replace(f"engine={engine}", f"--engine {engine}", 1))
+    if facts.stacked:
+        runnable = [o for o in engine_options() if not engine_facts(o).stacked]
+        bad(f"--engine {engine} (every rank in one batched program) runs bfexp's own jobs, not a script; allowed: "
+            f"{', '.join(runnable)} or an engine class's path")
+    return facts
 
 
 def bad(message: str) -> NoReturn:
@@ -150,18 +168,19 @@ def launcher_for(args: argparse.Namespace) -> Any:
 
 def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_args: list[str]) -> int:
     from bfexp import results
+    from bfexp.api import ENGINE_VARIABLE
     from bfexp.comm import engine_class
     from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError, LaunchError
     from bfexp.launch import ProcessRanks
     from bfexp.preflight import memory_fits, preflight
-    from bfexp.sessions import launcher_environment
+    from bfexp.sessions import launcher_environment, start_process_ranks
     from bfexp.signals import SIGNALS
     from bfexp.watchdog import read_heartbeats
 
     try:
         launcher = launcher_for(args)
-        preflight("mpi", args.ranks, launcher)  # mpi4py here; hosts resolve and answer ssh, enough slots
-        memory_fits(engine_class("mpi"), args.ranks, launcher.ranks_per_host(args.ranks), 0)
+        preflight(args.engine, args.ranks, launcher)  # mpi4py here; hosts resolve and answer ssh, enough slots
+        memory_fits(engine_class(args.engine), args.ranks, launcher.ranks_per_host(args.ranks), 0)
     except (ConfigError, LaunchError) as e:
         print(f"bfexp-run: {e}", file=sys.stderr)
         return EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT
@@ -174,16 +193,14 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
     run_dir.mkdir(parents=True, exist_ok=True)
     program = [python, "-m", "mpi4py", "-m", "bfexp.run", "--rank", *target, *script_args]
     env = launcher_environment(launcher, args.ranks, args.timeout_s) | driver_environment(args, run_dir)
+    env[ENGINE_VARIABLE] = args.engine  # what each rank's bf.init() starts
     with SIGNALS.job() as signals:
         start = len(signals.received)
         # With --log-dir, mpiexec's own words (a rank killed by a signal, MPI_Abort) go beside the ranks' logs.
         log = open(run_dir / "mpiexec.log", "wb") if args.log_dir else None
-        command = launcher.command(args.ranks, program, launcher.forward_environment(env))
-        ranks = ProcessRanks(subprocess.Popen(command, stdin=subprocess.DEVNULL,
-                                              stdout=log, stderr=log, env=env, start_new_session=True), run_dir)
+        ranks = ProcessRanks(start_process_ranks(launcher, args.ranks, program, env, log, log), run_dir)
         try:
-            reason = supervise(ranks, args, lambda: "a signal" if signals.since(start) else None,
-                               lambda: read_heartbeats(run_dir), processes=True)
+            reason = supervise(ranks, args, signals, lambda: read_heartbeats(run_dir), processes=True)
         finally:
             ranks.end("the launch is over")  # mpiexec's whole session: no rank outlives the launch
             if log is not None:
@@ -217,30 +234,19 @@ def driver_environment(args: argparse.Namespace, run_dir: Path) -> dict[str, str
     return env
 
 
-def supervise(ranks: Any, args: argparse.Namespace, stopped: Any, read: Any, processes: bool) -> str | None:
-    """The runner's watch loop over the ranks, until they end or a reason to end them (returned): ``stopped``
-    (a stop signal), a rank that failed (once its traceback had time to reach the terminal), or a hang
-    (heartbeats from ``read``: process ranks' files, or virtual ranks' threads)."""
-    from bfexp.launch import watch
+def supervise(ranks: Any, args: argparse.Namespace, signals: Any, read: Any, processes: bool) -> str | None:
+    """The runner's watch loop and stop rules (bfexp.launch.Supervisor) over the ranks, until they end or a
+    reason to end them (returned): a stop signal (``signals``; None: the caller's, virtual ranks), a rank that
+    failed (once its traceback had time to reach the terminal), or a hang (heartbeats from ``read``: process
+    ranks' files, or virtual ranks' threads; process ranks dump their stacks into their output first)."""
+    from bfexp.launch import Supervisor
     from bfexp.watchdog import Watchdog
 
     hangs = Watchdog(args.timeout_s, args.ranks, read, processes=processes)
-    failed_at: list[float] = []
-
-    def stop() -> str | None:
-        if ranks.failed():
-            failed_at[:1] = failed_at[:1] or [time.monotonic()]
-            if time.monotonic() - failed_at[0] >= FAILURE_FLUSH_S:
-                return "a rank failed"
-        stuck = hangs.check()
-        if stuck:
-            if processes:  # faulthandler in each rank, into its output
-                ranks.dump_stacks(hangs.latest)
-            where = f"{args.log_dir}/rank<N>.log" if args.log_dir else "the ranks' output above"
-            return hangs.describe(stuck, ranks.waits() if ranks.waits else None, stacks=where if processes else None)
-        return stopped()
-
-    return watch(ranks, stop)
+    where = f"{args.log_dir}/rank<N>.log" if args.log_dir else "the ranks' output above"
+    supervisor = Supervisor(hangs, signals, failure_grace_s=FAILURE_FLUSH_S, end_failed=True, dump=processes,
+                            stacks=where if processes else None)
+    return supervisor.watch(ranks)
 
 
 def verdict(args: argparse.Namespace, sig: int | None, errors: list[dict], reason: str | None,
@@ -386,18 +392,17 @@ def launch_threads(args: argparse.Namespace, target: list[str], script_args: lis
     output = routed_output(Path(args.log_dir)) if args.log_dir else contextlib.nullcontext()
 
     def watched(world: Any, key: str) -> None:  # the runner's watch loop, with its hang watchdog
-        from bfexp.launch import ThreadRanks
+        from bfexp.launchers.virtual import ThreadRanks
         from bfexp.watchdog import live_heartbeats
 
-        reason = supervise(ThreadRanks(world, Path(key)), args, lambda: None, lambda: live_heartbeats(key),
-                           processes=False)
+        reason = supervise(ThreadRanks(world, Path(key)), args, None, lambda: live_heartbeats(key), processes=False)
         if reason and reason.startswith("hung"):
             raise Hung(reason)
 
     try:
         with output:
             api.spawn(job, args.ranks, script_args if target[0] != "-m" else (), prefix_output=not args.log_dir,
-                      supervise=watched)
+                      supervise=watched, engine=args.engine)
     except KeyboardInterrupt:
         print("bfexp-run: interrupted; the virtual ranks were ended", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -423,9 +428,13 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--rank"]:  # inside an MPI rank (see launch_mpi)
         rank_main(argv[1:])
         return
+    # A user's own engine class (--engine mylab.MyEngine) in the working folder imports as under `python -m`
+    # (as the ranks, started with `python -m`, see it).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = parse(argv)
     python, target, script_args = split_command(args.command)
-    if args.engine == "threads":
+    if not args.engine_facts.processes:
         sys.exit(launch_threads(args, target, script_args))
     sys.exit(launch_mpi(args, python, target, script_args))
 
