@@ -36,11 +36,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bfexp import results
 from bfexp.errors import LaunchError
+from bfexp.launchers.sweep import statuses  # each job's status, where the driver reads them for its exit status
 
 log = logging.getLogger(__name__)
 
-# Status of every job the driver's sweeps ran here ("completed", "failed", ...), in order.
-statuses: list[str] = []
 # Keys of the preset that configure submitit's executor itself, not the sbatch script.
 EXECUTOR_KEYS = ("submitit_folder", "max_num_timeout")
 

@@ -12,6 +12,8 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 class SlurmSweepLauncher(SlurmLauncher):
     """One Slurm job per sweep point, each with the resources its own ranks need."""
 
+    runs_here = False  # each job on the machines of its own allocation (bfexp.launchers.sweep)
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from bfexp.launchers import slurm_sweep
 
