@@ -16,10 +16,11 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 from bfexp import checkpoint, results
 from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_JOB_FAILED
+from bfexp.plan import PLAN
 
 GROUPS = ("algorithm", "topology", "model", "dataset", "optimizer", "engine", "scaling", "logger", "launcher",
           "heterogeneity")
@@ -122,128 +123,12 @@ def one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def foreign(target: Any) -> bool:
-    """A target from outside bfexp (torch, the user's package): its ValueErrors are about its arguments."""
-    return not str(getattr(target, "__module__", "")).startswith("bfexp.")
-
-
-class DryBuild(NamedTuple):
-    notes: list[str]  # for the user, e.g. a substituted topology
-    steps: int | None  # the steps the job runs (``epochs``: from its data set; None: the data set cannot say)
-
-
-def dry_build(cfg: Any, launcher: Any = None, here: bool = True) -> DryBuild:
-    """Build, before any rank starts, everything the ranks will build, as cheaply as possible:
-    the topology, the algorithm's options, requirements and engine, the data set (its files),
-    the model on the meta device and the optimizer on one dummy parameter. Raises
-    ConfigError (one line) for what cannot run. ``here``: the ranks run on this machine (its memory is
-    checked)."""
-    import torch
-
-    from bfexp.assembly import resolve
-    from bfexp.comm import engine_class
-    from bfexp.config import RUNTIME, ConfigError, build, check_node, check_optimizer_options, label, launcher_of
-    from bfexp.preflight import check_memory
-    from bfexp.errors import number_in
-    from bfexp.models import check_fits, sample_shape
-    from bfexp.watchdog import PROCESS_ONLY_MODES
-    from bfexp.scaling import declared_speed, missing_speed_message
-    from bfexp.topology import build_topology
-    from bfexp.torch_internals import defer_dynamo
-    from bfexp.config import job_kind
-    from bfexp.summary import topology_ranks_per_machine
-
-    defer_dynamo()  # torch.optim would import torch._dynamo (a second) only to mark code for a compiler
-
-    def guarded(group: str, target: Any, call: Any) -> Any:
-        try:
-            return call()
-        except (ValueError, TypeError) as e:
-            if isinstance(e, ConfigError) or not foreign(target):
-                raise
-            raise ConfigError(f"{group}._target_={target.__module__}.{target.__qualname__} refused its options: "
-                              f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
-
-    notes, steps = [], (int(cfg.steps) if cfg.get("epochs") is None else None)  # epochs: the data set counts them
-    modeled = job_kind(cfg) == "modeled"
-    topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(cfg))
-    algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
-    algorithm.check_options(**options)
-    if not modeled:
-        check_node(cfg.engine, "engine", runtime=RUNTIME["engine"])  # mpi, nccl: their class, now torch is here
-        engine = engine_class(cfg.engine.name)
-        algorithm.check_run(engine, throughput_only=bool(cfg.throughput_only), modeled=modeled)
-        if cfg.fail_rank is not None and cfg.fail_mode in PROCESS_ONLY_MODES and engine.virtual:
-            raise ConfigError(f"fail_mode={cfg.fail_mode} needs a process per rank (engine={cfg.engine.name} runs "
-                              "ranks as threads of this process); allowed: engine=mpi, or fail_mode=raise or hang")
-    if algorithm.uses_topology:  # e.g. exact diffusion on exp2's undirected form; diloco averaging by allreduce
-        notes.extend(resolve(algorithm, topology, options)[1])  # reads no graph: any graph serves
-    dataset_target, _ = check_node(cfg.dataset, "dataset")
-    dataset = guarded("dataset", dataset_target, lambda: build(cfg.dataset, "dataset"))
-    if not cfg.throughput_only:  # batches and held-out samples against what the data set holds
-        more, steps = check_data(cfg, dataset)
-        notes.extend(more)
-    model_target, _ = check_node(cfg.model, "model", runtime=("in_shape", "in_features", "classes"))
-    in_shape, classes = guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
-    fed = (in_shape, classes) if cfg.throughput_only else dataset.sample_shape()  # training: the data's samples
-    parameters = guarded("model", model_target,
-                         lambda: check_fits(cfg.model, *fed, data=f"dataset={label(cfg.dataset)}",
-                                            tokens=bool(getattr(dataset, "tokens", False))))
-    finfo = torch.finfo(getattr(torch, cfg.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
-    number_in("lr", cfg.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {cfg.dtype})")
-    if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
-        check_memory(cfg, launcher or launcher_of(cfg), int(parameters), getattr(torch, cfg.dtype).itemsize)
-    optimizer_target, optimizer_options = check_node(cfg.optimizer, "optimizer", runtime=("params",))
-    check_optimizer_options(optimizer_options)
-    guarded("optimizer", optimizer_target,
-            lambda: build(cfg.optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
-    if not modeled and engine.stacked:  # what one batched program cannot hold: its optimizer, model, options
-        from bfexp.comm.stacked import check_job
-
-        check_job(cfg, fed[0], fed[1])
-    if cfg.get("heterogeneity") is not None:  # stragglers: the constructor checks the ranges
-        build(cfg.heterogeneity, "heterogeneity")
-    if modeled and not declared_speed(cfg.scaling, label(cfg.model)):
-        raise ConfigError(missing_speed_message(cfg.scaling, label(cfg.model)))
-    return DryBuild(notes, steps)
-
-
-def check_data(cfg: Any, dataset: Any) -> tuple[list[str], int | None]:
-    """batch_size and eval_subset against the data set's split at this job's ranks (``Dataset.sizes``; its
-    files are read here, so a malformed one is named before any rank starts). A batch larger than every
-    rank's shard is refused: no rank could draw it, and the run would not be the one asked for (torch's
-    DataLoader silently shortens it). Larger than some shards only (an uneven split): those ranks draw their
-    whole shard per step, and a note says so. Returns the notes and the steps the job runs (``epochs``
-    counts them from the split; None: a data set that cannot say before its ranks load it)."""
-    from bfexp.config import label, total_steps
-    from bfexp.errors import ConfigError
-
-    try:
-        shards, held_out = dataset.sizes(int(cfg.ranks), int(cfg.seed))
-    except NotImplementedError:  # a user's data set that overrides load() only: its ranks say
-        return [], None if cfg.get("epochs") is not None else int(cfg.steps)
-    steps = total_steps(cfg, sum(shards), int(cfg.ranks))
-    where = f"dataset={label(cfg.dataset)} at ranks={cfg.ranks}"
-    if cfg.batch_size > max(shards):
-        raise ConfigError(f"batch_size={cfg.batch_size} exceeds every rank's shard ({max(shards)} samples at most "
-                          f"with {where}); allowed: an integer in [1, {max(shards)}]")
-    short = [r for r, n in enumerate(shards) if n < cfg.batch_size]
-    if cfg.get("eval_subset") is not None and cfg.eval_subset > held_out:
-        raise ConfigError(f"eval_subset={cfg.eval_subset} exceeds the {held_out} held-out samples of {where}; "
-                          f"allowed: an integer in [1, {held_out}] or null (all of them)")
-    if not short:
-        return [], steps
-    return [f"batch_size={cfg.batch_size} exceeds the shard of rank(s) {', '.join(map(str, short[:8]))}"
-            f"{' ...' if len(short) > 8 else ''} ({min(shards)} samples at least, {where}): they train on their "
-            "whole shard each step"], steps
-
-
 def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
     """Remove a run folder that holds nothing but what Hydra wrote on its way to our code (.hydra/,
-    its job log), and the parents left empty; a sweep folder left with only multirun.yaml too.
+    its job log) and the job's plan (refused after it was written), and the parents left empty; a sweep folder left with only multirun.yaml too.
     Bad input leaves no folder behind; a folder with anything of a run in it stays."""
     def only_hydra(folder: Path) -> bool:
-        return folder.is_dir() and all(p.name in (".hydra", results.LOCK) or (p.is_file() and p.suffix == ".log")
+        return folder.is_dir() and all(p.name in (".hydra", results.LOCK, PLAN) or (p.is_file() and p.suffix == ".log")
                                        for p in folder.iterdir())
 
     cwd = Path.cwd().resolve()
@@ -340,9 +225,9 @@ def hydra_argument_order(args: list[str]) -> list[str]:
     when it is one of its choices (``--info a=1``: a=1 is an override). An unknown flag goes with
     the flags, where argparse names it; after ``--`` every token is an override.
     """
-    from hydra._internal.utils import get_args_parser
+    from bfexp.hydra_internals import flag_actions
 
-    options = get_args_parser()._option_string_actions
+    options = flag_actions()
     overrides: list[str] = []
     flags: list[str] = []
     i = 0
@@ -391,11 +276,9 @@ def _hydra_option(token: str, options: dict[str, argparse.Action]) -> tuple[argp
 def refuse_bad_flags(args: list[str]) -> None:
     """What Hydra's parser refuses (a flag it does not know, a value outside a flag's choices) ends
     here in one line, exit 2, instead of Hydra's usage over ten lines; ``args`` as Hydra gets them."""
-    from hydra._internal.utils import get_args_parser
+    from bfexp.hydra_internals import parse_flags
 
-    parser = get_args_parser()
-    parser.error = lambda message: fail(f"{message}; Hydra's flags: bfexp --hydra-help")  # type: ignore[method-assign]
-    parser.parse_args(args)
+    parse_flags(args, lambda message: fail(f"{message}; Hydra's flags: bfexp --hydra-help"))
 
 
 def resume_command(run_dir: Path) -> str:
@@ -457,75 +340,83 @@ def run_job(cfg: Any) -> str:
 
 
 def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
-    """``run_job``'s job in its held folder: validate, dry-build, launch, report."""
-    from bfexp.config import build, check_fail_step, job_kind, label, validate
+    """``run_job``'s job in its held folder, a column: validate -> plan (with the preflight) -> launch -> report.
+    Bad input ends the driver here (SystemExit passes through Hydra untouched: one line, exit 2 or 3), before
+    any rank starts on its work."""
+    from bfexp.config import check_fail_step, validate
     from bfexp.errors import ConfigError, LaunchError
+    from bfexp.launch import launch
+    from bfexp.plan import make_plan
 
-    # SystemExit passes through Hydra untouched: one line, exit 2, no rank started on its work.
-    early = None  # the job's ranks, started while the driver checks it (they wait for the word to go)
-
-    def refuse(e: ConfigError | LaunchError) -> NoReturn:
-        if early is not None:
-            early.cancel()  # first: the log folder its start made goes, so discard_unused finds Hydra's alone
-        discard_unused(run_dir, sweep_dir)
-        fail(str(e), EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT)
-
+    early: list[Any] = []  # the job's ranks, started while the driver checks it (they wait for the word to go)
     try:
         try:
             validate(cfg, reach=sweep_dir is None)  # a sweep's jobs: against each other, before the first (check_sweep)
-            from bfexp.config import launcher_of
-            from bfexp.launch import launch
-            from bfexp.preflight import check_engine, resolve_engine
-            from bfexp.sessions import EarlyRanks
-
-            choice = launcher = None
-            if job_kind(cfg) != "modeled":
-                cfg, choice = resolve_engine(cfg)
-                launcher = launcher_of(cfg)  # built once for the job
-                if EarlyRanks.wanted(cfg, launcher):  # their start-up overlaps torch's import and the checks below
-                    early = EarlyRanks(cfg, run_dir, launcher)
-                    PHASES.mark("ranks started early (they wait for the checks)")
-                check_engine(cfg, launcher)  # e.g. engine=nccl without a GPU; imports torch
-            PHASES.mark("validate, engine choice")
-            notes, steps = dry_build(cfg, launcher)
-            if sweep_dir is None and cfg.epochs is not None and steps is not None:  # e.g. fail_step=50 epochs=1
-                check_fail_step(cfg, steps)
-            PHASES.mark("dry build: torch, components")
+            PHASES.mark("validate")
+            plan = make_plan(cfg, placed=lambda job, launcher: early.extend(start_early(job, run_dir, launcher)))
+            if sweep_dir is None and cfg.epochs is not None and plan.steps is not None:  # e.g. fail_step=50 epochs=1
+                check_fail_step(plan.cfg, plan.steps)
+            PHASES.mark("plan: engine choice, preflight, dry build")
         except (ConfigError, LaunchError) as e:
-            refuse(e)
-        for note in notes:
+            refuse(e, run_dir, sweep_dir, early)
+        for note in plan.notes:
             print(f"note: {note}", flush=True)
-        from bfexp.comm import engine_class
-        from bfexp.scaling import contention_note, processor_count
-
-        if job_kind(cfg) != "modeled":  # more CPU ranks than cores: measured scaling is contention
-            placer = launcher or launcher_of(cfg)
-            ranks = int(cfg.ranks)
-            machines = 1 if placer.on_this_machine else len(placer.hosts(ranks))
-            note = contention_note(placer.ranks_per_host(ranks) if machines > 1 else ranks, processor_count(),
-                                   engine_class(cfg.engine.name).device_type == "cpu", placer.cpu_quotas(ranks))
-            if note:
-                print(f"note: {note}", flush=True)
-        title = f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}"
-        from bfexp.progress import ConsoleProgress
-
-        logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
-        progress = ConsoleProgress(cfg.steps, title, enabled=logger.progress, epochs=cfg.epochs,
-                                   budget_s=cfg.get("budget_s"))
-        with progress, logger.tracker(cfg, run_dir) as tracker:
+        plan.write(run_dir)  # what the ranks build must match (it goes again if the launch refuses the job)
+        with job_display(plan, run_dir) as (on_record, ended):
             try:
-                PHASES.mark("progress display, tracker")
-                result = launch(cfg, run_dir, on_record=lambda record: (progress.update(record), tracker.log(record)),
-                                engine_choice=choice, early=early, launcher=launcher, checked=True)
+                result = launch(plan.cfg, run_dir, on_record=on_record, engine_choice=plan.engine_choice,
+                                early=early[0] if early else None, launcher=plan.launcher, checked=True)
                 PHASES.mark("launch: the ranks, start to end")
             except (ConfigError, LaunchError) as e:  # e.g. a checkpoint of another experiment in the folder
-                refuse(e)
-            tracker.finish(result.summary)
+                (run_dir / PLAN).unlink(missing_ok=True)  # nothing of bfexp's left in a folder it did not empty
+                refuse(e, run_dir, sweep_dir, early)
+            ended.append(result.summary)
     finally:
-        if early is not None:
-            early.cancel()  # bad input, a signal: the waiting ranks end unseen (no-op once they ran)
-    report_job(cfg, result, run_dir, sweep_dir)
+        for ranks in early:
+            ranks.cancel()  # bad input, a signal: the waiting ranks end unseen (no-op once they ran)
+    report_job(plan.cfg, result, run_dir, sweep_dir)
     return result.status
+
+
+def start_early(cfg: Any, run_dir: Path, launcher: Any) -> list[Any]:
+    """The job's ranks started now, where their start-up overlaps torch's import and the driver's checks
+    (they wait for the word to go); none where the launcher cannot do so."""
+    from bfexp.sessions import EarlyRanks
+
+    if not EarlyRanks.wanted(cfg, launcher):
+        return []
+    ranks = EarlyRanks(cfg, run_dir, launcher)
+    PHASES.mark("ranks started early (they wait for the checks)")
+    return [ranks]
+
+
+def refuse(e: Exception, run_dir: Path, sweep_dir: Path | None, early: list[Any]) -> NoReturn:
+    """A job refused: its early ranks cancelled first (the log folder their start made goes, so discard_unused
+    finds Hydra's alone), its folder discarded, one line and the exit code of whose fault it is."""
+    from bfexp.errors import LaunchError
+
+    for ranks in early:
+        ranks.cancel()
+    discard_unused(run_dir, sweep_dir)
+    fail(str(e), EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT)
+
+
+@contextlib.contextmanager
+def job_display(plan: Any, run_dir: Path) -> Any:
+    """The terminal's progress line and the logger's tracker while a job runs; yields what each metrics
+    record goes to and a list where the caller puts the job's summary (the tracker's last word)."""
+    from bfexp.config import build, label
+    from bfexp.progress import ConsoleProgress
+
+    cfg = plan.cfg
+    logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
+    progress = ConsoleProgress(cfg.steps, f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}",
+                               enabled=logger.progress, epochs=cfg.epochs, budget_s=cfg.get("budget_s"))
+    with progress, logger.tracker(cfg, run_dir) as tracker:
+        PHASES.mark("progress display, tracker")
+        ended: list[dict] = []
+        yield (lambda record: (progress.update(record), tracker.log(record))), ended
+        tracker.finish(ended[-1])
 
 
 def not_run(run_dir: Path) -> str | None:
@@ -635,17 +526,18 @@ def check_output_folder(config: Any, mode: str) -> None:
 def sweep_points(config: Any) -> list[tuple[list[str], Any]]:
     """Every job of a sweep as Hydra's basic sweeper will run it: (its sweep overrides, its composed config
     without the hydra node)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import open_dict
+
+    from bfexp.hydra_internals import sweep_batches
 
     loader = GlobalHydra.instance().config_loader()
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     points = []
-    for batch in BasicSweeper.split_arguments(parsed, None):
+    for batch in sweep_batches(parsed):
         for overrides in batch:
             job = loader.load_sweep_config(config, list(overrides))
             with open_dict(job):
@@ -657,13 +549,14 @@ def sweep_points(config: Any) -> list[tuple[list[str], Any]]:
 def check_sweep(config: Any) -> None:
     """Every point of a sweep composed and checked as ``run_job`` checks a job, before the first job starts:
     ``-m lr=0.1,-1`` is refused (one line, exit 2) before ``lr=0.1`` trains, and no folder is made. Options
-    that name a rank or a step are checked against the largest job (``check_reach``). A Slurm sweep's
-    ranks run elsewhere: this machine's memory is not theirs to check."""
-    from bfexp.config import check_fail_step, check_reach, job_kind, validate
+    that name a rank or a step are checked against the largest job (``check_reach``). A sweep launcher whose
+    jobs run elsewhere (its class's ``runs_here``: Slurm's) leaves this machine's memory out of the check."""
+    from bfexp.config import check_fail_step, check_reach, validate
     from bfexp.errors import ConfigError
-    from bfexp.preflight import resolve_engine
+    from bfexp.launchers.sweep import runs_here
+    from bfexp.plan import make_plan
 
-    here = "slurm" not in str(config.hydra.launcher.get("_target_", "")).lower()
+    here = runs_here(config.hydra.launcher)  # the sweep launcher's class says (Slurm's, a PBS one: elsewhere)
     points = sweep_points(config)
     ranks = max(int(job.ranks) for _, job in points)
     steps = max(int(job.steps) for _, job in points)
@@ -672,13 +565,11 @@ def check_sweep(config: Any) -> None:
         try:
             validate(job)
             check_reach(job, ranks, steps)
-            if job_kind(job) != "modeled":
-                job, _ = resolve_engine(job)
-            built = dry_build(job, here=here)
+            plan = make_plan(job, here=here, preflight=False)
         except ConfigError as e:
             raise type(e)(f"{e}{sweep_point(points, swept)}") from None
         if job.epochs is not None:
-            counted.append((swept, job, built.steps))
+            counted.append((swept, plan.cfg, plan.steps))
     if counted and all(n is not None for _, _, n in counted):
         longest = max([n for _, _, n in counted] + [int(job.steps) for _, job in points if job.epochs is None])
         for swept, job, _ in counted:  # against the longest job: a point is named only where fail_step is swept
@@ -745,7 +636,7 @@ def _hydra_entry() -> None:
 
     from bfexp.config import register_configs
     from bfexp.hydra_internals import known_mode
-    from bfexp.launchers.slurm_sweep import register_plugin
+    from hydra_plugins.bfexp_slurm_launcher.launcher import register_plugin
 
     register_configs()
     register_plugin()
@@ -835,9 +726,9 @@ def command(args: list[str]) -> None:
              "allowed: a folder path where this user can create folders")
     except KeyboardInterrupt:
         sys.exit(130)
-    from bfexp.launchers.slurm_sweep import statuses as slurm_statuses  # jobs a Slurm sweep ran
+    from bfexp.launchers.sweep import statuses as elsewhere  # jobs a sweep launcher ran elsewhere (Slurm's)
 
-    if any(s == results.FAILED for s in _job_statuses + slurm_statuses):
+    if any(s == results.FAILED for s in _job_statuses + elsewhere):
         sys.exit(EXIT_JOB_FAILED)
 
 

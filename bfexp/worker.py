@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from bfexp import budget, cgroups, checkpoint, config, probes, results, scaling, watchdog
+from bfexp import budget, cgroups, checkpoint, checkpointer, config, probes, results, scaling, watchdog
 from bfexp.config import job_kind
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.assembly import assemble, layout_ranks_per_machine
@@ -43,6 +43,7 @@ from bfexp.torch_internals import defer_dynamo
 from bfexp.metrics import (EvalSchedule, StepTimer, consensus_distance, cross_entropy, evaluate, gather_floats,
                            global_mean, held_out, model_input, perplexity, rank_value)
 from bfexp.models import build_model, sample_shape
+from bfexp.plan import Plan
 from bfexp.timeline import Timeline, span
 from bfexp.topology import Topology
 
@@ -126,13 +127,14 @@ class Built:
         return self.data.shards[0] if isinstance(self.data, StackedData) else self.data
 
 
-def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
+def build(cfg: Any, engine: Engine, *, with_data: bool = True, plan: Plan | None = None) -> Built:
     """A rank's data shard, model, local optimizer and algorithm on its topology, as the config names them.
 
     The algorithm, topology and engine are put together by bfexp.assembly, as the
     library and BlueFog's layer put them together (the driver printed its notes).
     ``with_data=False`` (throughput-only) sizes the model from the declared
-    sample shape and loads no data.
+    sample shape and loads no data. ``plan``: the driver's plan of the job (bfexp.plan), which this
+    build must match (PlanMismatch names the difference).
     """
     dtype = DTYPES[cfg.dtype]
     dataset = config.build(cfg.dataset, "dataset")
@@ -158,6 +160,8 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True) -> Built:
         return config.build(cfg.optimizer, "optimizer")(params)
 
     model = make_model()
+    if plan is not None:
+        plan.confirm(in_shape, classes, rank_numel(model))
     made = assemble(cfg.algorithm, make_optimizer(model.parameters()), engine, cfg.topology, model=model,
                     throughput_only=not with_data)
     optimizer = made.optimizer
@@ -209,7 +213,7 @@ class Training:
     def __init__(self, cfg: Any, engine: Engine, run_dir: Path) -> None:
         self.cfg, self.engine, self.run_dir = cfg, engine, run_dir
         self.started = time.perf_counter()
-        self.job = job = build(cfg, engine)
+        self.job = job = build(cfg, engine, plan=Plan.read(run_dir))
         mark(engine, "build: model, optimizer, algorithm")
         data = job.data
         self.sampler = (StackedSampler(data, cfg.batch_size, cfg.seed) if isinstance(data, StackedData)
@@ -229,7 +233,7 @@ class Training:
         # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
         # loop's own state: the logging window's sums, the last record, the bytes this rank's training
         # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
-        self.checkpoints = checkpoint.Checkpointer(cfg, engine, run_dir)
+        self.checkpoints = checkpointer.Checkpointer(cfg, engine, run_dir)
         resumed = self.checkpoints.restore(job.model, job.optimizer, self.sampler)
         self.first = resumed["step"] + 1
         self.interval_loss, self.interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
@@ -788,7 +792,7 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
     from the declared speed or the single-rank reference; the model prices the rest."""
     started = time.perf_counter()
     n, batch = engine.size, int(cfg.batch_size)
-    job = build(cfg, engine, with_data=False)
+    job = build(cfg, engine, with_data=False, plan=Plan.read(run_dir))
     steps = max(1, int(cfg.baseline_steps) or 10)
     options = config.node_options(cfg.algorithm)
     own = scaling.split_timing(*gather_floats(engine, *probes.communication_probe(engine, train_step, job.optimizer, steps)))

@@ -1,0 +1,255 @@
+"""The plan of one job: what runs where, decided once, by one function.
+
+``make_plan(cfg)`` is the driver's whole check of a job before any rank starts,
+and the one place its job-level facts are decided: the kind of job, the engine
+(engine=auto's choice and why), the launcher and the machines, the graph the
+rule runs on, the data set's split and sample shape, the model's size, the
+steps the job runs, the notes for the user. It builds dry: the topology, the
+data set's sizes (its files are read, no sample is loaded into a tensor), the
+model on the meta device, the optimizer on one dummy parameter. A job that
+cannot run is refused here, in one line (ConfigError exit 2, LaunchError exit 3).
+
+The driver writes the plan's facts beside the job's config (``plan.json``);
+every rank reads them (``Plan.read``) and its build (``bfexp.worker.build``)
+must come out the same: the same sample shape, classes and parameters per
+rank. A data set whose files changed between the plan and the ranks, or a
+build that differs from its dry form, ends the job with the difference named
+instead of training something nobody planned.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["Plan", "PlanMismatch", "make_plan"]
+
+PLAN = "plan.json"  # in the run folder, beside config.yaml
+
+
+class PlanMismatch(RuntimeError):
+    """A rank built something other than what the driver planned (a bug, or files changed under the job)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One job's facts, decided by ``make_plan``. ``cfg`` (engine=auto resolved) and ``launcher`` serve the
+    driver; the rest is plain data that the ranks read back from ``plan.json``."""
+
+    kind: str  # train | throughput | modeled (bfexp.config.job_kind)
+    ranks: int
+    steps: int | None  # None: a data set that cannot say before its ranks load it (epochs)
+    engine: str | None  # the engine's name; None for a modeled cluster (no rank starts)
+    engine_choice: str | None  # engine=auto's sentence
+    machines: int
+    algorithm: str
+    topology: str
+    in_shape: tuple[int, ...]
+    classes: int
+    parameters: int  # of one rank's model
+    notes: tuple[str, ...] = ()
+    cfg: Any = field(default=None, compare=False, repr=False)
+    launcher: Any = field(default=None, compare=False, repr=False)
+
+    FACTS = ("kind", "ranks", "steps", "engine", "engine_choice", "machines", "algorithm", "topology", "in_shape",
+             "classes", "parameters", "notes")
+
+    def facts(self) -> dict[str, Any]:
+        """The plan as plain JSON data (what the ranks read)."""
+        out = {k: v for k, v in asdict(replace(self, cfg=None, launcher=None)).items() if k in self.FACTS}
+        out["in_shape"], out["notes"] = list(self.in_shape), list(self.notes)
+        return out
+
+    def write(self, run_dir: Path) -> None:
+        from bfexp import results
+
+        results.write_text_atomic(Path(run_dir) / PLAN, json.dumps(self.facts(), indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "Plan | None":
+        """The plan the driver wrote for this run folder; None where no driver planned it (a job started by
+        hand, an older folder)."""
+        try:
+            facts = json.loads((Path(run_dir) / PLAN).read_text())
+        except (OSError, ValueError):
+            return None
+        facts["in_shape"], facts["notes"] = tuple(facts["in_shape"]), tuple(facts["notes"])
+        return cls(**{k: facts[k] for k in cls.FACTS})
+
+    def confirm(self, in_shape: tuple[int, ...], classes: int, parameters: int) -> None:
+        """A rank's build against the plan: PlanMismatch naming what differs."""
+        built = {"in_shape": tuple(in_shape), "classes": int(classes), "parameters": int(parameters)}
+        planned = {"in_shape": self.in_shape, "classes": self.classes, "parameters": self.parameters}
+        wrong = [f"{k} {planned[k]} planned, {built[k]} built" for k in built if built[k] != planned[k]]
+        if wrong:
+            raise PlanMismatch(f"this rank's build differs from the driver's plan: {'; '.join(wrong)} (did the data "
+                               "set's files change after the job was checked?)")
+
+
+def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: bool = True,
+              placed: Callable[[Any, Any], None] | None = None) -> Plan:
+    """The job's plan, checked: engine=auto resolved, the launcher built, this machine's preflight (``preflight``:
+    the launcher's check, the engine's availability, where the ranks land; a sweep checks its points without it),
+    the dry build. ``here``: the ranks run on this machine
+    (its memory and cores are checked). ``placed(cfg, launcher)`` is called as soon as the engine and launcher
+    are known, before the slow part (torch's import, the dry build): the driver starts its ranks there."""
+    from bfexp.config import job_kind, launcher_of
+    from bfexp.preflight import check_engine, resolve_engine
+
+    kind, choice = job_kind(cfg), None
+    if kind != "modeled":
+        cfg, choice = resolve_engine(cfg)
+        launcher = launcher or launcher_of(cfg)
+        if placed is not None:
+            placed(cfg, launcher)
+        if preflight:
+            check_engine(cfg, launcher)  # e.g. engine=nccl without a GPU; imports torch
+    plan = dry_build(cfg, kind, launcher, here)
+    machines, notes = 1, list(plan.notes)
+    if kind != "modeled" and preflight:  # where the ranks land (a sweep's points are checked before they run)
+        machines = 1 if launcher.on_this_machine else len(launcher.hosts(int(cfg.ranks)))
+        notes += contention(cfg, launcher, machines)
+    return replace(plan, engine=cfg.engine.name if kind != "modeled" else None, engine_choice=choice,
+                   machines=machines, notes=tuple(notes), cfg=cfg, launcher=launcher)
+
+
+def contention(cfg: Any, launcher: Any, machines: int) -> list[str]:
+    """More CPU ranks than cores: what the job measures is contention (a note)."""
+    from bfexp.comm import engine_class
+    from bfexp.scaling import contention_note, processor_count
+
+    ranks = int(cfg.ranks)
+    note = contention_note(launcher.ranks_per_host(ranks) if machines > 1 else ranks, processor_count(),
+                           engine_class(cfg.engine.name).device_type == "cpu", launcher.cpu_quotas(ranks))
+    return [note] if note else []
+
+
+def _guarded(group: str, target: Any, call: Callable[[], Any]) -> Any:
+    """A foreign class's (torch's, the user's) ValueError or TypeError about its arguments: one line."""
+    from bfexp.errors import ConfigError
+
+    try:
+        return call()
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError) or str(getattr(target, "__module__", "")).startswith("bfexp."):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{group}._target_={target.__module__}.{target.__qualname__} refused its options: "
+                          f"{type(e).__name__}: {first}") from None
+
+
+def dry_build(cfg: Any, kind: str, launcher: Any, here: bool) -> Plan:
+    """Everything the ranks will build, as cheaply as possible, each component checked by its own
+    constructor: the topology, the algorithm's options, requirements and engine, the data set (its files),
+    the model on the meta device, the optimizer on one dummy parameter."""
+    import torch
+
+    from bfexp.config import build, check_node, check_optimizer_options, label
+    from bfexp.errors import number_in
+    from bfexp.models import check_fits, sample_shape
+    from bfexp.preflight import check_memory
+    from bfexp.torch_internals import defer_dynamo
+
+    defer_dynamo()  # torch.optim would import torch._dynamo (a second) only to mark code for a compiler
+    modeled = kind == "modeled"
+    notes, steps = _algorithm(cfg, modeled)
+    dataset_target, _ = check_node(cfg.dataset, "dataset")
+    dataset = _guarded("dataset", dataset_target, lambda: build(cfg.dataset, "dataset"))
+    if not cfg.throughput_only:  # batches and held-out samples against what the data set holds
+        more, steps = check_data(cfg, dataset)
+        notes.extend(more)
+    model_target, _ = check_node(cfg.model, "model", runtime=("in_shape", "in_features", "classes"))
+    in_shape, classes = _guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
+    fed = (in_shape, classes) if cfg.throughput_only else dataset.sample_shape()  # training: the data's samples
+    parameters = _guarded("model", model_target,
+                          lambda: check_fits(cfg.model, *fed, data=f"dataset={label(cfg.dataset)}",
+                                             tokens=bool(getattr(dataset, "tokens", False))))
+    finfo = torch.finfo(getattr(torch, cfg.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
+    number_in("lr", cfg.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {cfg.dtype})")
+    if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
+        check_memory(cfg, launcher, int(parameters), getattr(torch, cfg.dtype).itemsize)
+    optimizer_target, optimizer_options = check_node(cfg.optimizer, "optimizer", runtime=("params",))
+    check_optimizer_options(optimizer_options)
+    _guarded("optimizer", optimizer_target,
+             lambda: build(cfg.optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
+    _engine_and_cluster(cfg, modeled, tuple(fed[0]), int(fed[1]))
+    return Plan(kind=kind, ranks=int(cfg.ranks), steps=steps, engine=None, engine_choice=None, machines=1,
+                algorithm=label(cfg.algorithm), topology=label(cfg.topology), in_shape=tuple(int(d) for d in fed[0]),
+                classes=int(fed[1]), parameters=int(parameters), notes=tuple(notes))
+
+
+def _algorithm(cfg: Any, modeled: bool) -> tuple[list[str], int | None]:
+    """The topology, the algorithm's options and kind of job, and the graph its rule runs on: the notes
+    (e.g. a substituted topology) and the steps as far as the config says (``epochs``: the data set counts)."""
+    from bfexp.assembly import resolve
+    from bfexp.comm import engine_class
+    from bfexp.config import RUNTIME, check_node
+    from bfexp.errors import ConfigError
+    from bfexp.summary import topology_ranks_per_machine
+    from bfexp.topology import build_topology
+    from bfexp.watchdog import PROCESS_ONLY_MODES
+
+    notes: list[str] = []
+    steps = int(cfg.steps) if cfg.get("epochs") is None else None
+    topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(cfg))
+    algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
+    algorithm.check_options(**options)
+    if not modeled:
+        check_node(cfg.engine, "engine", runtime=RUNTIME["engine"])  # mpi, nccl: their class, now torch is here
+        engine = engine_class(cfg.engine.name)
+        algorithm.check_run(engine, throughput_only=bool(cfg.throughput_only), modeled=modeled)
+        if cfg.fail_rank is not None and cfg.fail_mode in PROCESS_ONLY_MODES and engine.virtual:
+            raise ConfigError(f"fail_mode={cfg.fail_mode} needs a process per rank (engine={cfg.engine.name} runs "
+                              "ranks as threads of this process); allowed: engine=mpi, or fail_mode=raise or hang")
+    if algorithm.uses_topology:  # e.g. exact diffusion on exp2's undirected form; diloco averaging by allreduce
+        notes.extend(resolve(algorithm, topology, options)[1])  # reads no graph: any graph serves
+    return notes, steps
+
+
+def _engine_and_cluster(cfg: Any, modeled: bool, in_shape: tuple[int, ...], classes: int) -> None:
+    """What one batched program cannot hold (engine=stacked), stragglers' ranges, a modeled cluster's speed."""
+    from bfexp.comm import engine_class
+    from bfexp.config import build, label
+    from bfexp.errors import ConfigError
+    from bfexp.scaling import declared_speed, missing_speed_message
+
+    if not modeled and engine_class(cfg.engine.name).stacked:  # its optimizer, model, options
+        from bfexp.comm.stacked import check_job
+
+        check_job(cfg, in_shape, classes)
+    if cfg.get("heterogeneity") is not None:  # stragglers: the constructor checks the ranges
+        build(cfg.heterogeneity, "heterogeneity")
+    if modeled and not declared_speed(cfg.scaling, label(cfg.model)):
+        raise ConfigError(missing_speed_message(cfg.scaling, label(cfg.model)))
+
+
+def check_data(cfg: Any, dataset: Any) -> tuple[list[str], int | None]:
+    """batch_size and eval_subset against the data set's split at this job's ranks (``Dataset.sizes``; its
+    files are read here, so a malformed one is named before any rank starts). A batch larger than every
+    rank's shard is refused: no rank could draw it, and the run would not be the one asked for (torch's
+    DataLoader silently shortens it). Larger than some shards only (an uneven split): those ranks draw their
+    whole shard per step, and a note says so. Returns the notes and the steps the job runs (``epochs``
+    counts them from the split; None: a data set that cannot say before its ranks load it)."""
+    from bfexp.config import label, total_steps
+    from bfexp.errors import ConfigError
+
+    try:
+        shards, held_out = dataset.sizes(int(cfg.ranks), int(cfg.seed))
+    except NotImplementedError:  # a user's data set that overrides load() only: its ranks say
+        return [], None if cfg.get("epochs") is not None else int(cfg.steps)
+    steps = total_steps(cfg, sum(shards), int(cfg.ranks))
+    where = f"dataset={label(cfg.dataset)} at ranks={cfg.ranks}"
+    if cfg.batch_size > max(shards):
+        raise ConfigError(f"batch_size={cfg.batch_size} exceeds every rank's shard ({max(shards)} samples at most "
+                          f"with {where}); allowed: an integer in [1, {max(shards)}]")
+    short = [r for r, n in enumerate(shards) if n < cfg.batch_size]
+    if cfg.get("eval_subset") is not None and cfg.eval_subset > held_out:
+        raise ConfigError(f"eval_subset={cfg.eval_subset} exceeds the {held_out} held-out samples of {where}; "
+                          f"allowed: an integer in [1, {held_out}] or null (all of them)")
+    if not short:
+        return [], steps
+    return [f"batch_size={cfg.batch_size} exceeds the shard of rank(s) {', '.join(map(str, short[:8]))}"
+            f"{' ...' if len(short) > 8 else ''} ({min(shards)} samples at least, {where}): they train on their "
+            "whole shard each step"], steps
