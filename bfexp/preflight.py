@@ -53,7 +53,7 @@ def check_memory(cfg: Any, launcher: Launcher, parameters: int, element_bytes: i
     """The job's memory check (``memory_fits``) from its config."""
     from bfexp.comm import engine_class
 
-    engine = engine_class(cfg.engine.name)
+    engine = engine_class(cfg.engine)
     ranks = int(cfg.ranks)
     here = ranks if not engine.processes else launcher.ranks_per_host(ranks)
     memory_fits(engine, ranks, here, parameters * element_bytes)
@@ -83,15 +83,16 @@ def memory_fits(engine: Any, ranks: int, here: int, model_bytes: int) -> None:
 
 def check_engine(cfg: Any, launcher: Launcher) -> None:
     """The job's preflight (``preflight``) from its config."""
-    preflight(cfg.engine.name, int(cfg.ranks), launcher, int(cfg.engine.ranks_per_machine or 0))
+    preflight(cfg.engine, int(cfg.ranks), launcher, int(cfg.engine.ranks_per_machine or 0))
 
 
-def preflight(engine_name: str, ranks: int, launcher: Launcher, ranks_per_machine: int = 0) -> None:
+def preflight(engine_spec: Any, ranks: int, launcher: Launcher, ranks_per_machine: int = 0) -> None:
     """Before any rank starts: the launcher's preflight (process ranks), and an engine this machine can run
-    (LaunchError naming what is missing; a GPU engine needs a GPU per rank of a machine)."""
+    (LaunchError naming what is missing; a GPU engine needs a GPU per rank of a machine). ``engine_spec``:
+    the engine's config node, a shipped option's name or a class path (bfexp.comm.engine_class)."""
     from bfexp.comm import engine_class
 
-    engine = engine_class(engine_name)
+    engine = engine_class(engine_spec)
     per_machine: int | None = ranks_per_machine or None
     if engine.processes:
         launcher.check(ranks)
@@ -101,7 +102,7 @@ def preflight(engine_name: str, ranks: int, launcher: Launcher, ranks_per_machin
                 check_even(ranks, launcher)
     ok, reason = engine.available(ranks, per_machine)
     if not ok:
-        raise LaunchError(f"engine={engine_name} cannot run here: {reason}")
+        raise LaunchError(f"engine={engine.name} cannot run here: {reason}")
 
 
 def check_even(ranks: int, launcher: Launcher) -> None:
@@ -116,38 +117,45 @@ def check_even(ranks: int, launcher: Launcher) -> None:
 
 
 def choose_engine(cfg: Any) -> tuple[str, str]:
-    """engine=auto: (engine, why). nccl when every rank has its own GPU; else mpi
-    while ranks <= processor slots x slots_factor; else stacked when the job stacks
-    (bfexp.comm.stacked.check_job), else threads."""
+    """engine=auto: (engine, why), among the shipped engines by their facts (bfexp.comm.shipped_engine): the GPU one
+    (nccl) when every rank has its own GPU; else the CPU one whose ranks are processes (mpi) while ranks <=
+    processor slots x slots_factor; else the stacked one when the job stacks (bfexp.comm.stacked.check_job),
+    else virtual ranks as threads."""
     import importlib.util
 
-    from bfexp.comm import engine_class
+    from bfexp.comm import engine_class, shipped_engine
 
     ranks, engine = cfg.ranks, cfg.engine
     gpu_note = ""
-    if importlib.util.find_spec("cupy") is not None:  # no CuPy: no GPU probe, no torch import here
-        ok, why = engine_class("nccl").available(ranks, engine.ranks_per_machine or None)
+    gpu, processes = shipped_engine("gpu"), shipped_engine("processes")
+    if gpu is not None and importlib.util.find_spec("cupy") is not None:  # no CuPy: no GPU probe, no torch import
+        ok, why = engine_class(gpu).available(ranks, engine.ranks_per_machine or None)
         if ok:
-            return "nccl", f"each of the {ranks} ranks has its own GPU"
-        gpu_note = f"; not nccl: {why}"
+            return gpu, f"each of the {ranks} ranks has its own GPU"
+        gpu_note = f"; not {gpu}: {why}"
     slots, factor = processor_slots(), float(engine.slots_factor)
     limit = f"{slots} processor slots x engine.slots_factor={factor:g} = {slots * factor:g}"
     if ranks <= slots * factor:
-        return "mpi", f"ranks={ranks} fit {limit}{gpu_note}"
-    if not runs_on(cfg, "threads"):
-        return "mpi", f"ranks={ranks} exceed {limit}, but this algorithm needs a process per rank{gpu_note}"
+        return processes, f"ranks={ranks} fit {limit}{gpu_note}"
+    threads = shipped_engine("threads")
+    if threads is None or not runs_on(cfg, threads):
+        return processes, f"ranks={ranks} exceed {limit}, but this algorithm needs a process per rank{gpu_note}"
     not_stacked = stacking_refusal(cfg)
     if not_stacked is None:
-        return "stacked", f"ranks={ranks} exceed {limit}, and the job stacks into one batched program{gpu_note}"
-    return "threads", f"ranks={ranks} exceed {limit}; not stacked: {not_stacked}{gpu_note}"
+        return shipped_engine("stacked"), (f"ranks={ranks} exceed {limit}, and the job stacks into one batched "
+                                           f"program{gpu_note}")
+    return threads, f"ranks={ranks} exceed {limit}; not stacked: {not_stacked}{gpu_note}"
 
 
 def stacking_refusal(cfg: Any) -> str | None:
     """Why engine=stacked cannot run the job (its first refusal, one line), or None: what engine=auto asks
     before it picks virtual ranks as threads."""
-    from bfexp.comm import engine_class
+    from bfexp.comm import engine_class, shipped_engine
 
-    if not runs_on(cfg, "stacked"):
+    stacked = shipped_engine("stacked")
+    if stacked is None:
+        return "no stacked engine is shipped"
+    if not runs_on(cfg, stacked):
         from bfexp.config import label
 
         return f"algorithm={label(cfg.algorithm)} is not stackable"
@@ -156,7 +164,7 @@ def stacking_refusal(cfg: Any) -> str | None:
         from bfexp.config import build
         from bfexp.models import sample_shape
 
-        engine_class("stacked")
+        engine_class(stacked)
         in_shape, classes = sample_shape(cfg.model, build(cfg.dataset, "dataset"))
         check_job(cfg, in_shape, classes)
     except ConfigError as e:
@@ -166,8 +174,9 @@ def stacking_refusal(cfg: Any) -> str | None:
     return threads_as_fast(cfg, in_shape, classes)
 
 
-def runs_on(cfg: Any, engine: str) -> bool:
-    """Whether the job's algorithm can run on an engine (ddp needs one process per rank)."""
+def runs_on(cfg: Any, engine: Any) -> bool:
+    """Whether the job's algorithm can run on an engine (a name, class path or node: bfexp.comm.engine_class;
+    ddp needs one process per rank)."""
     from bfexp.comm import engine_class
     from bfexp.config import target_of
 
@@ -181,7 +190,9 @@ def runs_on(cfg: Any, engine: str) -> bool:
 
 def resolve_engine(cfg: Any) -> tuple[Any, str | None]:
     """engine=auto: a copy of cfg running the engine it chooses, and the sentence saying why."""
-    if cfg.engine.name != "auto":
+    from bfexp.comm import Auto
+
+    if cfg.engine.name != Auto.name:
         return cfg, None
     from bfexp.config import engine_config
 

@@ -154,10 +154,23 @@ def test_waiting_ranks_end_when_cancelled_or_when_the_driver_dies(tmp_path, how)
 
 
 def test_process_engines_are_the_engines_whose_ranks_are_processes():
-    """The driver decides before importing any engine (that imports torch); the classes say the same."""
-    from bfexp.comm import ENGINES, PROCESS_ENGINES, engine_class
+    """The driver decides before importing any engine (that imports torch), reading the classes' source: what
+    it reads there is what the imported classes say, and it has still not imported torch."""
+    import json
 
-    assert PROCESS_ENGINES == {name for name in ENGINES if engine_class(name).processes}
+    from bfexp.comm import PROCESS_ENGINES, engine_class, engine_options
+
+    code = ("import dataclasses, json, sys\n"
+            "from bfexp.comm import PROCESS_ENGINES, engine_facts, engine_options\n"
+            "facts = {o: dataclasses.astuple(engine_facts(o)) for o in engine_options()}\n"
+            "print(json.dumps([facts, sorted(PROCESS_ENGINES), 'torch' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    read, process_engines, torch_imported = json.loads(out.stdout)
+    imported = {name: engine_class(name) for name in engine_options()}
+    assert read == {name: [c.name, c.virtual, c.processes, c.device_type, c.stacked] for name, c in imported.items()}
+    assert process_engines == sorted(PROCESS_ENGINES) == ["mpi", "nccl"] and not torch_imported
+    assert PROCESS_ENGINES == {name for name, c in imported.items() if c.processes}
 
 
 def test_ranks_start_early_only_beside_a_free_slot_for_the_driver(monkeypatch):

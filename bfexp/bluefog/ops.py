@@ -144,12 +144,7 @@ def is_homogeneous() -> bool:
 
 def mpi_threads_supported() -> bool:
     """Whether the transport takes calls from several threads (virtual ranks: yes; MPI: THREAD_MULTIPLE)."""
-    engine = initialized_engine()
-    if engine.name != "mpi":
-        return True
-    from mpi4py import MPI
-
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    return initialized_engine().thread_multiple()
 
 
 def unified_mpi_window_model_supported() -> bool:
@@ -159,8 +154,8 @@ def unified_mpi_window_model_supported() -> bool:
 
 
 def nccl_built() -> bool:
-    """Whether this job runs on bfexp's NCCL engine."""
-    return initialized_engine().name == "nccl"
+    """Whether this job's engine moves tensors between GPUs (bfexp's NCCL engine: its device type is cuda)."""
+    return initialized_engine().device_type == "cuda"
 
 
 def suspend() -> None:

@@ -116,10 +116,14 @@ return ``(wait, done)`` for work they posted:
   ``exclusive()`` guards this rank's own window memory.
 
 Engine facts are class attributes: ``name`` ("mpi", "nccl", "threads",
-"stacked"), ``virtual`` (ranks are threads of one process), ``processes``
-(one OS process per rank, started by mpiexec), ``device_type`` ("cpu",
-"cuda") and ``stacked`` (one engine object holds every rank: each tensor's
-LAST dimension is the rank dimension, bfexp.comm.stacked).
+"stacked", or a user's engine's own), ``virtual`` (ranks are threads of one
+process), ``processes`` (one OS process per rank, started by mpiexec),
+``device_type`` ("cpu", "cuda") and ``stacked`` (one engine object holds
+every rank: each tensor's LAST dimension is the rank dimension,
+bfexp.comm.stacked); ``available`` says whether ranks can run here. They are
+all bfexp knows of an engine: everything asks the class its config node names
+(bfexp.comm.engine_facts, engine_class). Stated as plain literals in a class
+body, the driver reads them from the source before torch is imported.
 """
 
 from __future__ import annotations
@@ -623,6 +627,12 @@ class Engine(abc.ABC):
     def available(cls, ranks: int, ranks_per_machine: int | None = None) -> tuple[bool, str]:
         """Can ``ranks`` ranks of this engine run here? ``(True, '')`` or ``(False, what is missing)``."""
         return True, ""
+
+    @classmethod
+    def thread_multiple(cls) -> bool:
+        """Whether its transport takes calls from several threads at once (BlueFog's mpi_threads_supported):
+        in memory, yes; MPI answers for itself (MPIEngine)."""
+        return True
 
     # time ---------------------------------------------------------------
     @property

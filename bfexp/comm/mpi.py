@@ -596,6 +596,12 @@ class MPIEngine(MPIHost, Engine):
             return False, "no mpi4py: install it (pip install mpi4py) with an MPI library (Open MPI, MPICH)"
         return True, ""
 
+    @classmethod
+    def thread_multiple(cls) -> bool:
+        """Whether MPI was initialized with THREAD_MULTIPLE (asked once MPI runs: of a rank's engine)."""
+        mpi = load_mpi()
+        return mpi.Query_thread() == mpi.THREAD_MULTIPLE
+
     def _next_tag(self) -> int:
         self._op_seq = (self._op_seq + 1) % 30000
         return 1000 + self._op_seq

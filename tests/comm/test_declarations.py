@@ -136,8 +136,11 @@ def test_engine_classes_by_name_and_their_facts():
         "stacked": ("stacked", True, False, "cpu"),
     }
     assert engine_class("threads").available(1000) == (True, "")
-    with pytest.raises(ConfigError, match=r"^engine=gloo; allowed: mpi, nccl, threads, stacked$"):
+    with pytest.raises(ConfigError, match=r"^engine=gloo; allowed: a shipped option \(mpi, nccl, stacked, threads\) "
+                                          r"or an Engine class's path, e\.g\. mylab\.engines\.MyEngine$"):
         engine_class("gloo")
+    with pytest.raises(ConfigError, match=r"^engine=os\.path is not an Engine class; allowed: "):
+        engine_class("os.path")
     with pytest.raises(ConfigError, match=r"^engine.ranks_per_machine=3; allowed: 0 \(one machine\) or a divisor of ranks=8$"):
         local_size_for(8, 3)
     assert local_size_for(8, 0) == 8 and local_size_for(8, 2) == 2
