@@ -21,7 +21,9 @@ starts it, or ``bf.init()`` does so explicitly:
   engine is thread-local there);
 * a plain ``python train.py``: one rank (virtual, no MPI started), so the
   same script still runs alone;
-* ``bf.init(engine="mpi"|"nccl"|"threads")`` or ``$BFEXP_ENGINE`` choose.
+* ``bf.init(engine="mpi"|"nccl"|"threads")`` or ``$BFEXP_ENGINE`` choose: a shipped
+  engine's name (conf/engine/) or an engine class's path (``mylab.engines.MyEngine``,
+  bfexp.comm.engine_class), so a user's own engine runs a script too.
 
 Every Engine operation (bfexp.comm.engine: allreduce, neighbor_allreduce,
 win_put ... with their nonblocking ``i`` forms) is a function here that
@@ -78,7 +80,7 @@ __all__ = [
 
 # Environment a launcher gives each MPI process (Open MPI, PMIx, MPICH/Hydra, Intel MPI).
 MPI_ENVIRONMENT = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
-# Chooses the engine of bf.init() when set (mpi, nccl, threads).
+# Chooses the engine of bf.init() when set (mpi, nccl, threads, or an engine class's path).
 ENGINE_VARIABLE = "BFEXP_ENGINE"
 
 _thread = threading.local()  # .engine: the virtual rank a bf.spawn thread runs
@@ -90,11 +92,14 @@ _lock = threading.RLock()
 
 
 def detect_engine() -> str:
-    """The engine the environment asks for: $BFEXP_ENGINE, else mpi under an MPI launcher, else threads."""
+    """The engine the environment asks for: $BFEXP_ENGINE, else under an MPI launcher the shipped engine whose
+    ranks are CPU processes (mpi), else the shipped one of virtual ranks as threads (bfexp.comm.shipped_engine)."""
     chosen = os.environ.get(ENGINE_VARIABLE)
     if chosen:
         return chosen
-    return "mpi" if any(k in os.environ for k in MPI_ENVIRONMENT) else "threads"
+    from bfexp.comm import shipped_engine
+
+    return shipped_engine("processes" if any(k in os.environ for k in MPI_ENVIRONMENT) else "threads") or ""
 
 
 def init(engine: str | None = None, size: int | None = None) -> Engine:
@@ -125,7 +130,9 @@ def init(engine: str | None = None, size: int | None = None) -> Engine:
                 )
             from bfexp.comm.threads import ThreadsEngine, ThreadWorld
 
-            made: Engine = ThreadsEngine(ThreadWorld(1), 0)
+            # One virtual rank alone: its own class (a user's subclass too); a stacked engine's tensors carry a
+            # rank dimension a script does not, so that one runs as plain virtual ranks.
+            made: Engine = (ThreadsEngine if cls.stacked else cls)(ThreadWorld(1), 0)
         else:
             from bfexp.watchdog import attach
 
@@ -137,8 +144,22 @@ def init(engine: str | None = None, size: int | None = None) -> Engine:
         return made
 
 
+def _rank_engine(engine: str | type | None) -> type[Engine] | None:
+    """The class of bf.spawn's ``engine`` (None: the threads engine); ConfigError for one whose ranks are not
+    threads of this process."""
+    if engine is None:
+        return None
+    from bfexp.comm import engine_class
+
+    cls = engine if isinstance(engine, type) else engine_class(engine)
+    if not (isinstance(cls, type) and issubclass(cls, Engine) and cls.virtual and not cls.stacked):
+        raise ConfigError(f"bf.spawn(engine={engine!r}): not an engine of virtual ranks as threads; allowed: threads "
+                          "or an Engine class of virtual ranks (e.g. a subclass of bfexp.comm.threads.ThreadsEngine)")
+    return cls
+
+
 def _check_matches(current: Engine, engine: str | None, size: int | None) -> None:
-    if engine is not None and engine != current.name:
+    if engine is not None and engine not in (current.name, f"{type(current).__module__}.{type(current).__qualname__}"):
         raise ConfigError(f"bf.init(engine={engine!r}) but this rank runs engine={current.name}; allowed: "
                           f"{current.name} (one engine a process)")
     if size is not None and size != current.size:
@@ -256,6 +277,7 @@ def spawn(
     prefix_output: bool = True,
     timeout: float | None = None,
     supervise: Callable[[Any, str], None] | None = None,
+    engine: str | type | None = None,
 ) -> list[Any]:
     """Run ``target`` on ``size`` virtual ranks (threads of this process); return each rank's result.
 
@@ -268,15 +290,15 @@ def spawn(
     drawing as a script does gives the numbers the same script gets on MPI.
     A rank that raises ends the others (at their next communication) and its
     exception is re-raised here, noting the rank; ``prefix_output`` tags what
-    ranks print with ``[rank N]``. ``supervise(world, key)``, when given, waits
-    for the ranks instead (bfexp-run's watch loop), their heartbeats under ``key``
-    (bfexp.watchdog.live_heartbeats).
+    ranks print with ``[rank N]``. ``supervise(world, key)``, when given, waits for the ranks instead
+    (bfexp-run's watch loop), their heartbeats under ``key`` (bfexp.watchdog.live_heartbeats).
+    ``engine``: the ranks' engine, of virtual ranks as threads (a class, or a name or path:
+    bfexp.comm.engine_class; default threads).
     """
     from bfexp.comm.threads import RankAborted, ThreadWorld
-
     from bfexp.watchdog import Heartbeat
 
-    world = ThreadWorld(int(size), ranks_per_machine, one_at_a_time=True)
+    world = ThreadWorld(int(size), ranks_per_machine, one_at_a_time=True, engine=_rank_engine(engine))
     key = f"bf.spawn-{id(world)}"
 
     def rank_main(rank_engine: Engine) -> Any:

@@ -86,8 +86,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="machines and their slots, e.g. n1:4,n2:4 (mpirun over ssh)")
     where.add_argument("--hostfile", help="Open MPI hostfile: `host slots=N` a line")
-    parser.add_argument("--engine", choices=("mpi", "threads"), default="mpi",
-                        help="mpi: one process a rank (default); threads: virtual ranks in this process")
+    parser.add_argument("--engine", default="mpi",
+                        help="mpi: one process a rank (default); threads: virtual ranks in this process; or an "
+                             "engine class's path (mylab.engines.MyEngine): its ranks processes or threads as it says")
     parser.add_argument("--network-interface", help="interface the ranks talk over (with --hosts/--hostfile)")
     parser.add_argument("--log-dir", help="write each rank's output to LOG_DIR/rank<N>.log instead of the terminal")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -99,9 +100,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
         bad(f"--timeout-s {args.timeout_s:g}; allowed: a number of seconds >= 0 (0: no bound)")
     if not args.command:
         bad("no command; allowed: python SCRIPT ARGS, e.g. bfexp-run -n 4 python train.py")
-    if args.engine == "threads" and (args.hosts or args.hostfile):
+    args.engine_facts = engine_facts_of(args.engine)
+    if not args.engine_facts.processes and (args.hosts or args.hostfile):
         bad("--hosts/--hostfile with --engine threads; allowed: --engine mpi across machines")
     return args
+
+
+def engine_facts_of(engine: str) -> Any:
+    """The facts of ``--engine`` (bfexp.comm.engine_facts: a shipped engine or a class's path), or exit 2: a
+    script runs on ranks that are processes or threads, not on one batched program of them all."""
+    from bfexp.comm import engine_facts, engine_options
+    from bfexp.errors import ConfigError
+
+    try:
+        facts = engine_facts(engine)
+    except ConfigError as e:
+        bad(str(e).replace(f"engine={engine}", f"--engine {engine}", 1))
+    if facts.stacked:
+        runnable = [o for o in engine_options() if not engine_facts(o).stacked]
+        bad(f"--engine {engine} (every rank in one batched program) runs bfexp's own jobs, not a script; allowed: "
+            f"{', '.join(runnable)} or an engine class's path")
+    return facts
 
 
 def bad(message: str) -> NoReturn:
@@ -149,6 +168,7 @@ def launcher_for(args: argparse.Namespace) -> Any:
 
 def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_args: list[str]) -> int:
     from bfexp import results
+    from bfexp.api import ENGINE_VARIABLE
     from bfexp.comm import engine_class
     from bfexp.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError, LaunchError
     from bfexp.launch import ProcessRanks
@@ -159,8 +179,8 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
 
     try:
         launcher = launcher_for(args)
-        preflight("mpi", args.ranks, launcher)  # mpi4py here; hosts resolve and answer ssh, enough slots
-        memory_fits(engine_class("mpi"), args.ranks, launcher.ranks_per_host(args.ranks), 0)
+        preflight(args.engine, args.ranks, launcher)  # mpi4py here; hosts resolve and answer ssh, enough slots
+        memory_fits(engine_class(args.engine), args.ranks, launcher.ranks_per_host(args.ranks), 0)
     except (ConfigError, LaunchError) as e:
         print(f"bfexp-run: {e}", file=sys.stderr)
         return EXIT_ENVIRONMENT if isinstance(e, LaunchError) else EXIT_BAD_INPUT
@@ -173,6 +193,7 @@ def launch_mpi(args: argparse.Namespace, python: str, target: list[str], script_
     run_dir.mkdir(parents=True, exist_ok=True)
     program = [python, "-m", "mpi4py", "-m", "bfexp.run", "--rank", *target, *script_args]
     env = launcher_environment(launcher, args.ranks, args.timeout_s) | driver_environment(args, run_dir)
+    env[ENGINE_VARIABLE] = args.engine  # what each rank's bf.init() starts
     with SIGNALS.job() as signals:
         start = len(signals.received)
         # With --log-dir, mpiexec's own words (a rank killed by a signal, MPI_Abort) go beside the ranks' logs.
@@ -381,7 +402,7 @@ def launch_threads(args: argparse.Namespace, target: list[str], script_args: lis
     try:
         with output:
             api.spawn(job, args.ranks, script_args if target[0] != "-m" else (), prefix_output=not args.log_dir,
-                      supervise=watched)
+                      supervise=watched, engine=args.engine)
     except KeyboardInterrupt:
         print("bfexp-run: interrupted; the virtual ranks were ended", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -407,9 +428,13 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--rank"]:  # inside an MPI rank (see launch_mpi)
         rank_main(argv[1:])
         return
+    # A user's own engine class (--engine mylab.MyEngine) in the working folder imports as under `python -m`
+    # (as the ranks, started with `python -m`, see it).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = parse(argv)
     python, target, script_args = split_command(args.command)
-    if args.engine == "threads":
+    if not args.engine_facts.processes:
         sys.exit(launch_threads(args, target, script_args))
     sys.exit(launch_mpi(args, python, target, script_args))
 

@@ -1,0 +1,131 @@
+"""Adding an engine is a class and a YAML (issue 47).
+
+The user's engines live outside bfexp/ (tests/user_engine/counting.py, on the user's PYTHONPATH, and
+a YAML in their own config dir): CountingMPI and CountingThreads, the MPI and threads engines under
+names of their own that count the allreduce calls they serve. Nothing in bfexp names them, yet they
+carry a real job through `bfexp` (their YAML's or an override's `_target_`), a user's script through
+`bfexp-run --engine mylab.Class`, and the library (`bf.init(engine=...)`, `bf.spawn(..., engine=...)`).
+The references are the user's own: the names their classes give, the calls their script makes, the
+sum 1 + 2 + ... + n.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bfexp as bf
+from bfexp import api
+from bfexp.errors import ConfigError
+from tests.conftest import BFEXP
+
+USER = Path(__file__).parent / "user_engine"
+SCRIPT = USER / "allreduce_script.py"
+JOB = ["ranks=2", "steps=6", "log_every=3", "baseline_steps=0", "scaling.reference_cache=null", "report=false",
+       "hydra.run.dir=run"]
+
+
+def user_env() -> dict[str, str]:
+    """The user's environment: their module importable (their package, as pip would make it), no debug output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("BFEXP_DEBUG", api.ENGINE_VARIABLE)}
+    env["PYTHONPATH"] = os.pathsep.join([str(USER), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=300)
+
+
+def notes(folder: Path, ranks: int) -> list[list[str]]:
+    """What each rank's engine left when it closed: its class, its rank, its allreduce calls."""
+    return [(folder / f"counted.rank{r}").read_text().split() for r in range(ranks)]
+
+
+@pytest.mark.parametrize("engine, args, cls", [
+    # the user's YAML in their own config dir: engine=<their option>
+    ("counting_mpi", ["--config-dir", str(USER / "conf"), "engine=counting_mpi"], "CountingMPI"),
+    # no YAML of theirs: a shipped option's node with their class as its _target_ (and its name)
+    ("counting_threads", ["engine=threads", "engine._target_=counting.CountingThreads", "engine.name=counting_threads",
+                          "ranks=3"], "CountingThreads"),
+])
+def test_user_engine_runs_a_bfexp_job(tmp_path, engine, args, cls):
+    proc = run([*BFEXP, *JOB, *args], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    ranks = 3 if "ranks=3" in args else 2
+    assert (summary["status"], summary["engine"], summary["ranks"]) == ("completed", engine, ranks)
+    left = notes(tmp_path, ranks)  # every rank ran on the user's class
+    assert [(c, int(r)) for c, r, _ in left] == [(cls, r) for r in range(ranks)]
+    assert len({calls for _, _, calls in left}) == 1  # collectives: every rank made the same calls
+
+
+def test_user_engine_options_are_checked_against_its_class(tmp_path):
+    """The user's constructor is the option's schema: a key it lacks is refused before any rank starts."""
+    proc = run([*BFEXP, *JOB, "--config-dir", str(USER / "conf"), "engine=counting_mpi", "+engine.notes=x"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert "engine.notes" in line and "note" in line, line
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def script_lines(stdout: str) -> dict[int, dict]:
+    """Each rank's JSON line (bfexp-run tags lines with [rank N])."""
+    out = {}
+    for line in stdout.splitlines():
+        if "{" in line:
+            record = json.loads(line[line.index("{"):])
+            out[record["rank"]] = record
+    return out
+
+
+@pytest.mark.parametrize("engine, ranks, cls, init", [
+    ("counting.CountingMPI", 2, "CountingMPI", []),  # MPI ranks: each rank's bf.init() starts the user's class
+    ("counting.CountingThreads", 3, "CountingThreads", []),  # virtual ranks in bfexp-run's process
+    ("mpi", 2, "CountingMPI", ["--init", "counting.CountingMPI"]),  # the script asks bf.init(engine=...) itself
+])
+def test_user_engine_runs_a_script_under_bfexp_run(tmp_path, engine, ranks, cls, init):
+    proc = run([sys.executable, "-m", "bfexp.run", "-n", str(ranks), "--engine", engine, "python", str(SCRIPT),
+                *init], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    seen = script_lines(proc.stdout)
+    name = {"CountingMPI": "counting_mpi", "CountingThreads": "counting_threads"}[cls]
+    expected = {"size": ranks, "class": cls, "name": name, "total": ranks * (ranks + 1) / 2, "calls": 3}
+    assert seen == {r: {"rank": r, **expected} for r in range(ranks)}
+
+
+def test_bfexp_run_refuses_what_is_no_engine_of_a_script(tmp_path):
+    for engine, words in (("counting.Nothing", ["--engine counting.Nothing", "cannot be imported"]),
+                          ("nosuch", ["--engine nosuch; allowed:", "mpi", "threads"]),
+                          ("stacked", ["--engine stacked", "not a script"])):
+        proc = run([sys.executable, "-m", "bfexp.run", "-n", "2", "--engine", engine, "python", str(SCRIPT)], tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert all(w in line for w in words), line
+
+
+def test_user_engine_through_the_library(tmp_path, monkeypatch):
+    """bf.init(engine=<class path>) alone is one rank of the user's class; bf.spawn(engine=...) runs every
+    virtual rank on it; asking again for another engine is refused, naming the one running."""
+    monkeypatch.syspath_prepend(str(USER))
+    monkeypatch.chdir(tmp_path)
+    api.shutdown()
+    try:
+        engine = bf.init(engine="counting.CountingThreads")
+        assert (type(engine).__name__, engine.name, bf.size()) == ("CountingThreads", "counting_threads", 1)
+        assert bf.init(engine="counting_threads") is engine  # by its own name, too
+        assert torch.equal(bf.allreduce(torch.tensor([2.0, 3.0]), op="sum"), torch.tensor([2.0, 3.0]))
+        assert engine.allreduce_calls == 1
+        with pytest.raises(ConfigError, match=r"bf.init\(engine='threads'\) but this rank runs engine=counting_threads"):
+            bf.init(engine="threads")
+    finally:
+        api.shutdown()
+
+    def job():
+        total = bf.allreduce(torch.tensor([float(bf.rank() + 1)]), op="sum")
+        return type(bf.engine()).__name__, float(total), bf.engine().allreduce_calls
+
+    assert bf.spawn(job, 4, engine="counting.CountingThreads") == [("CountingThreads", 10.0, 1)] * 4
