@@ -44,15 +44,6 @@ log = logging.getLogger(__name__)
 EXECUTOR_KEYS = ("submitit_folder", "max_num_timeout")
 
 
-def register_plugin() -> None:
-    """Make the launcher plugin known to Hydra: an editable install (pip install -e) maps
-    hydra_plugins/bfexp_slurm_launcher in a way Hydra's scan of hydra_plugins does not see."""
-    from hydra.core.plugins import Plugins
-    from hydra_plugins.bfexp_slurm_launcher.launcher import SlurmSweepLauncher
-
-    Plugins.instance().register(SlurmSweepLauncher)
-
-
 def job_parameters(params: dict) -> dict:
     """Hydra's launcher keys as submitit's: the shared ones as they are, the rest ``slurm_``-prefixed."""
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf

@@ -1,5 +1,5 @@
 """bfexp's Slurm sweep launcher as a Hydra plugin (Hydra instantiates launchers from
-hydra_plugins only); the work is in bfexp/launchers/slurm_sweep.py."""
+hydra_plugins only); the work is in bfexp/launchers/slurm_sweep.py, which imports nothing back."""
 
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ class SlurmSweepLauncher(SlurmLauncher):
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """A preempted job is not resubmitted: its ranks would start over."""
         return None
+
+
+def register_plugin() -> None:
+    """Make the launcher plugin known to Hydra: an editable install (pip install -e) maps
+    hydra_plugins/bfexp_slurm_launcher in a way Hydra's scan of hydra_plugins does not see."""
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().register(SlurmSweepLauncher)
