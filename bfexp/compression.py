@@ -328,11 +328,11 @@ class Cast(Compressor):
 def as_compressor(value: Compressor | str | Mapping[str, Any]) -> Compressor:
     """A Compressor from what an algorithm was given: one, a shipped option's name (its YAML, as Hydra
     composes it, with its defaults), or a config node (``_target_`` and options), built as every component
-    is (bfexp.config.build: keys and types against the constructor, which checks the values). Bad input:
+    is (bfexp.components.build: keys and types against the constructor, which checks the values). Bad input:
     ConfigError, one line."""
     if isinstance(value, Compressor):
         return value
-    from bfexp.config import build, group_options, option_node, target_of
+    from bfexp.components import build, group_options, option_node, target_of
 
     if isinstance(value, str):
         value = option_node(GROUP, value, hint="(pick one with algorithm/compressor=NAME, set its keys with "

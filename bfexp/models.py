@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bfexp import config
+from bfexp import components
 from bfexp.data import Dataset
 from bfexp.errors import ConfigError, number_in
 
@@ -361,7 +361,7 @@ class GPT(nn.Module):
 def _accepted(target: Callable[..., Any]) -> set[str] | None:
     """Keyword names a target takes (through ``**kwargs`` chains to its bases, as the
     driver's check reads them); None when it takes any."""
-    params, _, open_ended = config.signature_schema(target)
+    params, _, open_ended = components.signature_schema(target)
     return None if open_ended else set(params)
 
 
@@ -369,10 +369,10 @@ def _construct(node: Any, in_shape: Sequence[int], classes: int) -> nn.Module:
     """Build the node's target (checked against its signature) with the run-time arguments it takes."""
     shape = tuple(int(d) for d in in_shape)
     offered = {"in_shape": shape, "in_features": math.prod(shape), "classes": int(classes)}
-    accepted = _accepted(config.target_of(node, "model"))
+    accepted = _accepted(components.target_of(node, "model"))
     if accepted is not None:
         offered = {k: v for k, v in offered.items() if k in accepted}
-    model = config.build(node, "model", **offered)
+    model = components.build(node, "model", **offered)
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model._target_={node['_target_']!r} returned {type(model).__name__}; "
@@ -460,7 +460,7 @@ def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    key = (config.target_of(node, "model"), repr(plain), tuple(in_shape), int(classes), data, bool(tokens))
+    key = (components.target_of(node, "model"), repr(plain), tuple(in_shape), int(classes), data, bool(tokens))
     if key not in _FITS:
         try:
             _FITS[key] = _check_fits(node, in_shape, classes, data, tokens)
@@ -475,7 +475,7 @@ def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "
 @torch.no_grad()
 def _check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str, tokens: bool) -> int:
     what = f"model._target_={node.get('_target_')!r}"
-    if getattr(config.target_of(node, "model"), "takes_tokens", False) and not tokens:
+    if getattr(components.target_of(node, "model"), "takes_tokens", False) and not tokens:
         raise ConfigError(f"{what} takes token ids; {data} gives samples of features shaped {tuple(in_shape)}; "
                           "allowed: a data set of tokens (dataset=text)")
     with torch.device("meta"):  # its size, before anything is allocated (lazy layers are sized below)
@@ -510,10 +510,10 @@ def sample_shape(model_node: Any, dataset: Dataset) -> tuple[tuple[int, ...], in
     ImageNet's; it gets the node's options its signature names), else the dataset's
     `sample_shape()`.
     """
-    spec = getattr(config.target_of(model_node, "model"), "input_spec", None)
+    spec = getattr(components.target_of(model_node, "model"), "input_spec", None)
     if spec is not None:
         accepted = _accepted(spec)  # a subclass's own options need not reach its base's input_spec
-        options = config.node_options(model_node)
+        options = components.node_options(model_node)
         shape, classes = spec(**{k: v for k, v in options.items() if accepted is None or k in accepted})
         return tuple(int(d) for d in shape), int(classes)
     return dataset.sample_shape()

@@ -233,7 +233,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def __new__(cls, *args: Any, **options: Any) -> "DecentralizedOptimizer":
         # A misspelt option (stlye="awc") must not run the default: Python's own TypeError
         # names the key but not the allowed ones, so say them here, before any __init__ runs.
-        from bfexp.config import signature_schema  # the one reader of a constructor's keywords
+        from bfexp.components import signature_schema  # the one reader of a constructor's keywords
 
         params, _, open_ended = signature_schema(cls)
         unknown = sorted(set(options) - set(params))
@@ -327,7 +327,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # attributes, and whatever its constructors set, pass.
         if not (name.startswith("_") or name in self.__dict__ or _BUILDING in self.__dict__
                 or hasattr(type(self), name)):
-            from bfexp.config import RUNTIME, signature_schema
+            from bfexp.components import RUNTIME, signature_schema
 
             options = [k for k in signature_schema(type(self))[0]
                        if k in self.__dict__ and k not in RUNTIME["algorithm"]]

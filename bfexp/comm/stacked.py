@@ -786,16 +786,16 @@ def job_refusal(cfg: Any) -> str | None:
     optimizer that is not elementwise, a model with batch-coupled layers or a forward that does not
     batch over ranks, and the options that need each rank's own code path: stragglers (heterogeneity),
     throughput-only jobs, time budgets, checkpoints, fault injection; language models (a data set of tokens)."""
-    from bfexp import config
+    from bfexp import components
 
     dataset = cfg.get("dataset")
-    if dataset is not None and getattr(config.target_of(dataset, "dataset"), "tokens", False):
+    if dataset is not None and getattr(components.target_of(dataset, "dataset"), "tokens", False):
         return ("engine=stacked batches classifiers over ranks, not language models (a score per position); "
                 "allowed: engine=threads or engine=mpi for a data set of tokens")
     if cfg.get("throughput_only"):
         return "engine=stacked times training steps of every rank at once; allowed: throughput_only=false, or engine=threads"
     heterogeneity = cfg.get("heterogeneity")
-    if heterogeneity is not None and config.build(heterogeneity, "heterogeneity").active:
+    if heterogeneity is not None and components.build(heterogeneity, "heterogeneity").active:
         return ("engine=stacked steps every rank in lock step, so it has no stragglers; allowed: heterogeneity=none, "
                 "or engine=threads")
     if cfg.get("budget_s") is not None:
@@ -823,13 +823,13 @@ def threads_as_fast(cfg: Any, in_shape: tuple[int, ...], classes: int) -> str | 
 def check_job(cfg: Any, in_shape: tuple[int, ...], classes: int) -> None:
     """The driver's check of an engine=stacked job before any rank starts (the algorithm's own check_run
     has refused a rule that is not stackable): ConfigError, one line, for what cannot be stacked."""
-    from bfexp import config
+    from bfexp import components
     from bfexp.models import CPU_CHECK_PARAMETERS, build_model, on_meta
 
     why = job_refusal(cfg)
     if why:
         raise ConfigError(why)
-    check_optimizer(config.target_of(cfg.optimizer, "optimizer"))
+    check_optimizer(components.target_of(cfg.optimizer, "optimizer"))
     sized = on_meta(cfg.model, in_shape, classes)  # its layers and size, nothing allocated
     check_stackable_model(sized)
     if sum(p.numel() for p in sized.parameters() if not isinstance(p, torch.nn.parameter.UninitializedParameter)) \

@@ -29,7 +29,7 @@ from bfexp.errors import ConfigError, LaunchError, number_in
 from bfexp.launchers.base import PROBE_S, find_mpiexec
 from bfexp.launchers.mpirun import NOT_SHARED, STALE_SESSION_FOLDERS, Mpirun
 
-__all__ = ["ALLREDUCE_ALGORITHMS", "Emulated", "STATE", "WAITS", "link_rate_bits", "tcp_goodput_gbyte_per_s"]
+__all__ = ["ALLREDUCE_ALGORITHMS", "Emulated", "RESOLVERS", "STATE", "WAITS", "link_rate_bits", "tcp_goodput_gbyte_per_s"]
 
 STATE = Path("/run/bfexp-cluster")
 INTERFACE = "clu0"  # every host's one interface (scripts/cluster_local.sh)
@@ -75,6 +75,11 @@ def link_rate_bits(rate: str) -> float:
 def tcp_goodput_gbyte_per_s(rate: str) -> float:
     """Payload GB/s (1e9 bytes/s) that TCP moves over a link shaped to ``rate`` (inf: unshaped)."""
     return link_rate_bits(rate) / 8 * PAYLOAD_PER_FRAME / 1e9
+
+
+# The interpolation resolver of scaling=emulated (conf/scaling/emulated.yaml): a shaped link's TCP payload rate
+# from launcher.link_rate. bfexp.launchers.register_resolvers makes it known to OmegaConf.
+RESOLVERS = {"bfexp_tcp_gbyte_per_s": tcp_goodput_gbyte_per_s}
 
 
 class Emulated(Mpirun):

@@ -14,7 +14,7 @@ from bfexp.launchers.base import Launcher
 from bfexp.launchers.mpirun import check_interface
 from bfexp.launchers.openmpi import ranks_on
 
-__all__ = ["Srun", "allocation_nodes", "diagnose_srun", "nodes_for", "tasks_per_node"]
+__all__ = ["RESOLVERS", "Srun", "allocation_nodes", "diagnose_srun", "nodes_for", "tasks_per_node"]
 
 # srun's word on a task ("srun: error: hostB: task 1: Killed") and on tasks it never heard from again.
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$", re.M)
@@ -31,6 +31,11 @@ def tasks_per_node(ranks: int, ranks_per_node: int) -> int:
     """Ranks on each of those nodes: ranks_per_node, or every rank when they fit one node."""
     ranks, per_node = int(ranks), int(ranks_per_node)
     return ranks if per_node <= 0 else min(ranks, per_node)
+
+
+# The interpolation resolvers of the hydra/launcher=slurm preset (conf/hydra/launcher/slurm.yaml): a job's ranks
+# -> its allocation. bfexp.launchers.register_resolvers makes them known to OmegaConf.
+RESOLVERS = {"bfexp_nodes": nodes_for, "bfexp_tasks_per_node": tasks_per_node}
 
 
 def allocation_nodes() -> int:
