@@ -56,7 +56,8 @@ def test_a_checkpoint_of_another_model_names_the_keys_and_shapes(tmp_path):
     import torch
     from torch import nn
 
-    from bfexp.checkpoint import FORMAT, check_state
+    from bfexp.checkpoint import FORMAT
+    from bfexp.checkpointer import check_state
     from bfexp.errors import ConfigError
 
     saved = nn.Sequential(nn.Flatten(), nn.Linear(32, 2)).state_dict()
