@@ -69,7 +69,7 @@ from bfexp.comm.engine import HALF_DTYPES, Call, Engine, NeighborSpec, Pending, 
 from bfexp.comm.engine import first_dims, local_size_for, ungather, weighted_combine_, work_dtype
 from bfexp.comm.rendezvous import POLL_S, Rendezvous
 from bfexp.errors import CommError, RankAborted
-from bfexp.launchers.base import processor_slots
+from bfexp.scaling import processor_count
 
 __all__ = ["RankAborted", "ThreadWorld", "ThreadsEngine", "current_rank", "routed_output", "run_threads"]
 
@@ -130,7 +130,7 @@ def _fresh_rng_states() -> tuple[Any, Any, Any]:
 def running_slots() -> int:
     """How many virtual ranks compute at once (bfexp.comm.rendezvous's running slots): the processors
     this process may use, at least two (a rank that sleeps between engine calls holds its slot)."""
-    return max(2, processor_slots())
+    return max(2, processor_count())
 
 
 class ThreadWorld(Rendezvous):

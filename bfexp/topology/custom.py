@@ -256,7 +256,7 @@ class GeneratedTopology(CustomTopology):
         weights: Weights = "metropolis",
     ) -> None:
         check_ranks(size)
-        from bfexp.config import target_of  # lazy: config loads Hydra, which a script's Exp2(n) need not
+        from bfexp.components import target_of  # lazy: it loads OmegaConf, which a script's Exp2(n) need not
 
         if not isinstance(graph, Mapping) or not graph.get("_target_"):
             raise TopologyError(
@@ -596,7 +596,7 @@ def _read_node(path: Path, size: int) -> list[_Entries]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from bfexp.topology import build_topology
+    from bfexp.topology.build import build_topology
 
     try:
         node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)

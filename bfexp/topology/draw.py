@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:  # base.Topology.draw imports this module: no import back at run time
-    from bfexp.topology.base import Topology
+from bfexp.topology.mixing import SparseMixing
 
 # More panels than this would be unreadable; the rest of a long period is left out (and said so).
 MAX_PANELS = 36
@@ -23,7 +22,28 @@ MAX_PANELS = 36
 MAX_ARROWS = 2000
 
 
-def draw(topology: "Topology", path: str | Path, *, max_panels: int = MAX_PANELS,
+class Drawable(Protocol):
+    """What a picture reads of a topology (a bfexp.topology.Topology). Named here, not imported: base.Topology.draw
+    imports this module, and nothing imports back."""
+
+    size: int
+    period: int
+    weight_scheme: str
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def is_dynamic(self) -> bool: ...
+
+    def positions(self) -> np.ndarray: ...
+
+    def sparse_matrix(self, t: int = 0) -> SparseMixing: ...
+
+    def spectral_gap(self) -> float: ...
+
+
+def draw(topology: Drawable, path: str | Path, *, max_panels: int = MAX_PANELS,
          spectral_gap: float | None = None) -> Path:
     """Draw W(t) for t in one period into an image file (format from the suffix, e.g. .png);
     ``spectral_gap`` for the title when the caller has computed it (else computed here)."""
