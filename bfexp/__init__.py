@@ -10,21 +10,10 @@ start-up) imports neither torch nor MPI.
 
 from typing import Any
 
+from bfexp.operations import OPERATIONS
+
 __version__ = "0.1.0"
 
-# Every Engine operation that ``bf.<name>`` runs on the current engine (bfexp.api makes the functions).
-# Listed here, not in bfexp.api, so that this module can answer for them without importing torch.
-OPERATIONS = (
-    "allreduce", "allreduce_", "iallreduce", "iallreduce_", "allgather", "iallgather",
-    "broadcast", "broadcast_", "ibroadcast", "ibroadcast_", "barrier", "ibarrier",
-    "neighbor_allreduce", "neighbor_allreduce_", "ineighbor_allreduce", "ineighbor_allreduce_",
-    "neighbor_allgather", "ineighbor_allgather",
-    "hierarchical_neighbor_allreduce", "hierarchical_neighbor_allreduce_",
-    "ihierarchical_neighbor_allreduce", "ihierarchical_neighbor_allreduce_",
-    "win_create", "win_free", "win_tensor", "win_weight",
-    "win_put", "iwin_put", "win_accumulate", "iwin_accumulate", "win_get", "iwin_get", "win_update", "iwin_update",
-    "set_topology", "set_machine_topology",
-)
 # bfexp.api's public names (tests/test_api.py checks this is its __all__). Only these load it:
 # any other name (a submodule Hydra or pickle looks up) stays an AttributeError without importing torch.
 _API = frozenset({

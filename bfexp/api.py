@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Te
 import numpy as np
 import torch
 
-from bfexp import OPERATIONS  # the package lists them, so that `import bfexp` needs no torch
+from bfexp.operations import OPERATIONS  # listed apart, so that `import bfexp` needs no torch
 from bfexp.comm.engine import Engine, forwards
 from bfexp.errors import ConfigError, number_in
 
@@ -243,7 +243,7 @@ def clock_s() -> float:
 
 # ------------------------------------------------------------------ the engine's operations
 
-# Every Engine operation (bfexp.OPERATIONS), as a function on the current engine (same arguments).
+# Every Engine operation (bfexp.operations.OPERATIONS), as a function on the current engine (same arguments).
 
 
 def _operation(name: str) -> Callable[..., Any]:
