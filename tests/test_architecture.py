@@ -1,8 +1,11 @@
-"""The package's shape (issue 12): data flows one way, and nothing climbs back up.
+"""The package's shape (issues 12, 47): data flows one way, and nothing climbs back up.
 
-The import graph of bfexp/ is read from the source (every import, the lazy
-ones inside functions included; imports for type checkers only are not
-imports at run time): it has no cycle, and nothing but the CLI imports the
+The import graph of bfexp/ (with hydra_plugins/, the Slurm plugin's shim, and
+conf/, shipped as bfexp.conf) is read from the source: every import, the lazy
+ones inside functions, those for type checkers only (``if TYPE_CHECKING:``) and a
+package's imports of its own submodules included. It has no cycle; the lower
+layers (engines, topologies, algorithms, models, data) import nothing of the job
+level (config, the CLI, launch, the launchers); nothing but the CLI imports the
 CLI or the launcher.
 """
 
@@ -11,56 +14,93 @@ from pathlib import Path
 
 import networkx as nx
 
-PACKAGE = Path(__file__).resolve().parent.parent / "bfexp"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "bfexp"
+# Top-level names whose modules are this project's (the Slurm plugin's shim lives in hydra_plugins/).
+TOPS = ("bfexp", "hydra_plugins")
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_imports(tree: ast.AST) -> list[str]:
-    """Names of bfexp modules imported anywhere in a file, except under `if TYPE_CHECKING:`."""
+def module_files() -> dict[str, Path]:
+    """Every module of bfexp/ and hydra_plugins/, and conf/ (shipped as bfexp.conf), by its name."""
+    files = {module_name(p): p for top in TOPS for p in (ROOT / top).rglob("*.py")}
+    files["bfexp.conf"] = ROOT / "conf" / "__init__.py"
+    return files
+
+
+def imports(tree: ast.AST, module: str, package: bool) -> list[str]:
+    """What a file imports of this project, anywhere in it (``from a import b`` as ``a.b``: b may be a
+    module); relative imports resolved against ``module`` (a package's ``__init__`` when ``package``)."""
     found: list[str] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.extend(a.name for a in node.names if a.name.startswith("bfexp"))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bfexp"):
-            found.extend(f"{node.module}.{a.name}" for a in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+            found.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if package else module.split(".")[:-1]
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found.extend(f"{base}.{a.name}" for a in node.names)
+    return [name for name in found if name.split(".")[0] in TOPS]
 
 
 def import_graph() -> nx.DiGraph:
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    """Module -> each module it imports (the longest known module of each imported name)."""
+    files = module_files()
 
     def resolve(name: str) -> str:
-        while name and name not in modules:
+        while name and name not in files:
             name = name.rpartition(".")[0]
         return name
 
     graph = nx.DiGraph()
-    for name, path in modules.items():
+    for name, path in files.items():
         graph.add_node(name)
-        for imported in runtime_imports(ast.parse(path.read_text())):
+        for imported in imports(ast.parse(path.read_text()), name, path.name == "__init__.py"):
             target = resolve(imported)
-            # a package importing its own submodules (its public surface) is not an edge back
-            if target and target != name and not target.startswith(name + "."):
+            if target and target != name:
                 graph.add_edge(name, target)
     return graph
 
 
+def test_the_graph_sees_every_kind_of_import():
+    """The edges that hid circles before issue 47 are edges: a package's import of its submodule, an import
+    for type checkers only, a lazy one, the shim's import of bfexp."""
+    graph = import_graph()
+    for edge in [("bfexp.topology", "bfexp.topology.base"), ("bfexp.comm.engine", "bfexp.timeline"),
+                 ("bfexp", "bfexp.api"), ("hydra_plugins.bfexp_slurm_launcher.launcher", "bfexp.launchers.slurm_sweep")]:
+        assert graph.has_edge(*edge), edge
+
+
 def test_no_import_cycle():
-    cycles = list(nx.simple_cycles(import_graph()))
-    assert cycles == [], f"import cycles in bfexp/: {cycles}"
+    cycles = [sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1]
+    assert cycles == [], f"import cycles (strongly connected modules): {cycles}"
+
+
+# The layers below the job: engines, topologies, algorithms (compressors with them), models, data sets. They are
+# built from config nodes (bfexp.components), never from the job's config rules, the CLI or a launcher.
+LOWER = ("bfexp.comm", "bfexp.topology", "bfexp.algorithms", "bfexp.compression", "bfexp.models", "bfexp.data")
+JOB_LEVEL = ("bfexp.config", "bfexp.cli", "bfexp.launch", "bfexp.launchers", "hydra_plugins")
+
+
+def within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_lower_layers_import_nothing_of_the_job_level():
+    """Not directly, nor through another module: a lower layer that needs a component built imports
+    bfexp.components; the job's rules (bfexp.config), the CLI, launch and the launchers sit above it."""
+    graph = import_graph()
+    found = []
+    for module in sorted(m for m in graph if within(m, LOWER)):
+        above = sorted(m for m in nx.descendants(graph, module) if within(m, JOB_LEVEL))
+        if above:
+            found.append(" -> ".join(nx.shortest_path(graph, module, above[0])))
+    assert found == [], f"lower layers reaching the job level: {found}"
 
 
 def test_nothing_imports_the_cli_or_the_launcher_but_the_cli():
