@@ -143,7 +143,7 @@ class Supervisor:
                 failure_seen_at = failure_seen_at or time.monotonic()
                 if time.monotonic() - failure_seen_at > self.failure_grace_s:
                     if not self.end_failed:
-                        return None  # a rank failed and the rest did not go down with it (some stuck outside the engine)
+                        return None  # a rank failed, the rest did not go down with it (some stuck outside the engine)
                     reason = "a rank failed"
             if reason:
                 ranks.end(reason)
@@ -277,7 +277,8 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
             shutil.rmtree(run_dir / watchdog.HEARTBEAT_DIR, ignore_errors=True)
         return JobResult(ended, run_dir, summary, returncode)
     status = results.FAILED if errors or not reason else status
-    error = results.describe_errors(errors) if errors else reason or fallback or _exit_error(run_dir, returncode, launcher)
+    error = (results.describe_errors(errors) if errors
+             else reason or fallback or _exit_error(run_dir, returncode, launcher))
     if full and full not in error:
         error += f"; {full}"
     extra: dict[str, Any] = {"wall_time_s": wall_s}

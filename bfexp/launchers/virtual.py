@@ -6,7 +6,8 @@ raises records its failure (results.record_failure) and the others raise RankAbo
 (or wake in a wait). What the ranks print goes to logs/rank<N>.log, as MPI ranks' output does. The driver
 (bfexp.launch) supervises them as it supervises process ranks: ``VirtualRanks`` answers the watch loop's
 questions (bfexp.launch.Ranks) from ``started`` on and, after the job, gives the exit code, the reason and
-the failure the driver saw itself (``outcome``). Imports torch (when built): the driver reaches here only for a job of virtual ranks.
+the failure the driver saw itself (``outcome``). Imports torch (when built): the driver reaches here only for
+a job of virtual ranks.
 """
 
 from __future__ import annotations
