@@ -119,6 +119,10 @@ def test_user_engine_through_the_library(tmp_path, monkeypatch):
         assert bf.init(engine="counting_threads") is engine  # by its own name, too
         assert torch.equal(bf.allreduce(torch.tensor([2.0, 3.0]), op="sum"), torch.tensor([2.0, 3.0]))
         assert engine.allreduce_calls == 1
+        from bfexp import bluefog  # BlueFog's layer asks the engine's facts: in memory, on CPU
+
+        bluefog.init()
+        assert (bluefog.nccl_built(), bluefog.mpi_threads_supported()) == (False, True)
         with pytest.raises(ConfigError, match=r"bf.init\(engine='threads'\) but this rank runs engine=counting_threads"):
             bf.init(engine="threads")
     finally:
