@@ -133,3 +133,53 @@ def test_user_engine_through_the_library(tmp_path, monkeypatch):
         return type(bf.engine()).__name__, float(total), bf.engine().allreduce_calls
 
     assert bf.spawn(job, 4, engine="counting.CountingThreads") == [("CountingThreads", 10.0, 1)] * 4
+
+
+def test_the_driver_reads_a_user_engine_from_its_source_without_torch(tmp_path):
+    """Before torch (it starts process ranks while torch loads) the driver knows the user's engine from the
+    class's source: what the classes (theirs and bfexp's bases) say once imported, torch still not imported."""
+    code = ("import dataclasses, json, sys\n"
+            "from bfexp.comm import engine_facts\n"
+            "facts = [dataclasses.astuple(engine_facts(p)) for p in ('counting.CountingMPI', 'counting.CountingThreads')]\n"
+            "print(json.dumps([facts, 'torch' in sys.modules]))\n")
+    proc = run([sys.executable, "-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    facts, torch_imported = json.loads(proc.stdout)
+    sys.path.insert(0, str(USER))
+    try:
+        import counting
+    finally:
+        sys.path.remove(str(USER))
+    assert facts == [[c.name, c.virtual, c.processes, c.device_type, c.stacked]
+                     for c in (counting.CountingMPI, counting.CountingThreads)]
+    assert facts == [["counting_mpi", False, True, "cpu", False], ["counting_threads", True, False, "cpu", False]]
+    assert not torch_imported
+
+
+def test_nothing_outside_the_engines_tests_an_engine_by_its_name():
+    """No `engine.name == "mpi"` outside bfexp/comm: what an engine is, its class says (a user's engine has a
+    name of its own), as launchers are dispatched by their classes (tests/test_architecture.py)."""
+    import ast
+
+    names = {"mpi", "nccl", "threads", "stacked"}
+    package = Path(bfexp_package_dir())
+    found = []
+    for path in package.rglob("*.py"):
+        if path.is_relative_to(package / "comm"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                constants = [s.value for s in sides if isinstance(s, ast.Constant)]
+                constants += [e.value for s in sides if isinstance(s, (ast.Tuple, ast.Set, ast.List))
+                              for e in s.elts if isinstance(e, ast.Constant)]
+                if any(c in names for c in constants) and \
+                        any(isinstance(s, ast.Attribute) and s.attr in ("name", "engine") for s in sides):
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    assert found == [], f"engines told apart by name outside bfexp/comm: {found}"
+
+
+def bfexp_package_dir() -> str:
+    import bfexp
+
+    return os.path.dirname(bfexp.__file__)
