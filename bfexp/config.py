@@ -143,8 +143,10 @@ def validate_scaling(cfg: Any) -> None:
     """The scaling config's figures, the baseline probe and throughput-only mode."""
     sc = cfg.scaling
     if sc.name == "emulated":  # first: its figures interpolate the launcher's
-        target = str(cfg.launcher.get("_target_", ""))
-        _require(target.endswith(".Emulated"), f"scaling=emulated with launcher={label(cfg.launcher)}; "
+        from bfexp.launchers.base import launcher_class
+
+        _require(getattr(launcher_class(cfg.launcher), "emulates_cluster", False),  # asked of its class
+                 f"scaling=emulated with launcher={label(cfg.launcher)}; "
                  "allowed: launcher=emulated (the cluster whose links and quota it prices)")
     for key in ("intra_bandwidth_gbyte_per_s", "inter_bandwidth_gbyte_per_s", "reduce_gbyte_per_s"):
         if not (key == "inter_bandwidth_gbyte_per_s" and sc[key] == math.inf):  # inf: an unshaped link

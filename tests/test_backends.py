@@ -93,9 +93,8 @@ def test_sweep_launchers_are_asked_by_class():
         sys.path.remove(str(SITE))
 
 
-# Lines that still read a launcher's name, each to go when its module asks the class (launcher_class(node)
-# .emulates_cluster for config.py's; the module is being split as this is written).
-PENDING = {("bfexp.config", "'.Emulated'")}
+# Lines that still read a launcher's name, each to go when its module asks the class (none left).
+PENDING: set = set()
 
 
 def test_no_module_outside_the_launchers_reads_a_launchers_name():
