@@ -231,3 +231,48 @@ def register_schema() -> None:
     for group, options in DATA_GROUPS.items():
         for option, node in options.items():
             cs.store(group=f"schema/{group}", name=option, node=node)
+
+
+# The component groups of the top level: each component receives its own node, never the whole config.
+COMPONENTS = ("algorithm", "topology", "model", "dataset", "optimizer", "launcher", "engine", "scaling", "logger",
+              "heterogeneity")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's own section: the top level's plain values (ranks, steps, seed, lr, ...), typed and read-only,
+    without the component nodes. What a function needs of the run it reads here; a component's options come
+    in its own node (``cfg.algorithm``, ``cfg.engine``, ...). Made once, at an entry point, by ``of``."""
+
+    ranks: int = 4
+    seed: int = 0
+    steps: int = 200
+    epochs: Optional[int] = None
+    budget_s: Optional[float] = None
+    eval_every_s: Optional[float] = None
+    batch_size: int = 32
+    lr: float = 0.1
+    dtype: str = "float32"
+    log_every: int = 10
+    eval_every: Optional[int] = None
+    eval_budget: float = 0.1
+    eval_subset: Optional[int] = None
+    divergence_loss: float = 1e6
+    timeout_s: float = 300.0
+    checkpoint_every: int = 0
+    fail_fast: bool = False
+    fail_rank: Optional[int] = None
+    fail_step: int = 1
+    fail_mode: str = "raise"
+    throughput_only: bool = False
+    baseline_steps: int = 10
+    report: bool = True
+    target_accuracy: Optional[float] = None
+    target_eval_loss: Optional[float] = None
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Settings":
+        """The top level's values of a composed config (a key an older saved config lacks: its default)."""
+        from dataclasses import fields
+
+        return cls(**{f.name: cfg.get(f.name, f.default) for f in fields(cls)})

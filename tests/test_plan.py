@@ -100,3 +100,19 @@ def test_the_driver_checks_a_job_through_one_function():
                      for n in ast.walk(f) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "make_plan")
     assert callers == ["check_sweep", "checked_job"]
     assert "dry_build" not in source and "resolve_engine" not in source
+
+
+def test_settings_hold_every_top_level_value_and_no_component():
+    """bfexp.schema.Settings (the run's own section) has exactly the top-level schema's keys less the component
+    nodes, with the same defaults, so a function that reads the run's values cannot miss a key nor see a node."""
+    from dataclasses import MISSING, fields
+
+    from bfexp.schema import COMPONENTS, Config, Settings
+
+    top = {f.name: f.default for f in fields(Config) if f.name not in COMPONENTS}
+    assert {f.name: f.default for f in fields(Settings)} == top
+    assert all(f.default is not MISSING for f in fields(Settings))
+    cfg = compose(["ranks=3", "steps=9", "lr=0.05", *CHEAP])
+    settings = Settings.of(cfg)
+    assert (settings.ranks, settings.steps, settings.lr, settings.baseline_steps) == (3, 9, 0.05, 0)
+    assert not any(hasattr(settings, c) for c in COMPONENTS)
