@@ -125,17 +125,19 @@ def one_line(exc: BaseException) -> str:
 
 def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
     """Remove a run folder that holds nothing but what Hydra wrote on its way to our code (.hydra/,
-    its job log) and the job's plan (refused after it was written), and the parents left empty; a sweep folder left with only multirun.yaml too.
+    its job log) and the job's plan (refused after it was written), and the parents left empty; never a folder
+    that was there before this driver began (``note_existing``: a resumed folder, or one a user named); a sweep folder left with only multirun.yaml too.
     Bad input leaves no folder behind; a folder with anything of a run in it stays."""
     def only_hydra(folder: Path) -> bool:
         return folder.is_dir() and all(p.name in (".hydra", results.LOCK, PLAN) or (p.is_file() and p.suffix == ".log")
                                        for p in folder.iterdir())
 
     cwd = Path.cwd().resolve()
-    folders = [run_dir] if only_hydra(run_dir) else []
+    existed = _current.get("existed", set())
+    folders = [run_dir] if only_hydra(run_dir) and run_dir.resolve() not in existed else []
     if sweep_dir is not None and sweep_dir.is_dir():
         others = [p for p in sweep_dir.iterdir() if p != run_dir and p.name != "multirun.yaml"]
-        if not others or others == [sweep_dir / checkpoint.SKIPPED]:
+        if (not others or others == [sweep_dir / checkpoint.SKIPPED]) and sweep_dir.resolve() not in existed:
             folders.append(sweep_dir)
     for folder in folders:
         results.unlock_folder(folder)
@@ -147,6 +149,12 @@ def discard_unused(run_dir: Path, sweep_dir: Path | None = None) -> None:
             except OSError:
                 break
             parent = parent.parent
+
+
+def note_existing(folder: Path) -> None:
+    """Remember that ``folder`` was there before this driver made anything: discard_unused leaves it."""
+    if folder.exists():
+        _current.setdefault("existed", set()).add(folder.resolve())
 
 
 def override_key(override: str) -> str:
@@ -189,12 +197,19 @@ def resume_arguments(args: list[str]) -> list[str]:
     own = {override_key(a) for a in rest}
     kept = [str(o) for o in list(saved.hydra) + list(saved.task)
             if override_key(str(o)) not in own | {"hydra.run.dir", "hydra.sweep.dir", "hydra.mode"}]
+    code = [o for o in kept if "_target_" in override_key(o).split(".") or "_target_" in o.partition("=")[2]]
+    if code:  # a folder's record (one someone shared) chooses no code: the user names it, or it is not run
+        keys = " ".join(sorted({override_key(o) for o in code}))
+        fail(f"resume={folder}: its saved overrides name code to run ({'; '.join(code[:3])}), which a saved folder "
+             f"may not choose; allowed: give {keys} yourself beside resume= (the value you trust replaces the saved one)")
     return [*mode, *rest, *kept, f"{key}={quote(str(folder))}"]
 
 
 def saved_overrides(path: Path) -> Any:
     """The overrides Hydra saved in a run's hydra.yaml or a sweep's multirun.yaml (``hydra.overrides``, with
-    its ``hydra`` and ``task`` lists); ConfigError naming the file when it cannot be read as one."""
+    its ``hydra`` and ``task`` lists); ConfigError naming the file when it cannot be read as one, or when
+    another Hydra app wrote it (its primary config source is not bfexp's): its folder is not bfexp's to
+    run in, overwrite or clean up."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     from bfexp.errors import ConfigError
@@ -210,7 +225,42 @@ def saved_overrides(path: Path) -> Any:
         why = " (no hydra.overrides.task and hydra.overrides.hydra lists)"
     if not ok:
         raise ConfigError(f"resume: {path} cannot be read{why}; allowed: the file as Hydra wrote it")
+    other = other_program(saved)
+    if other:
+        raise ConfigError(f"resume: {path} was written by another program (its primary config: {other}; bfexp's "
+                          "is pkg://bfexp.conf), and bfexp resumes, writes into or removes only what it wrote; "
+                          "allowed: a folder a bfexp run or sweep wrote")
     return overrides
+
+
+def other_program(saved: Any) -> str | None:
+    """The primary config source of another Hydra app that wrote ``saved`` (a hydra.yaml or multirun.yaml as
+    loaded), e.g. ``file:///lab/conf`` or "none"; None when bfexp wrote it (its primary source: pkg://bfexp.conf)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    sources = OmegaConf.select(saved, "hydra.runtime.config_sources", default=None) if isinstance(saved, DictConfig) \
+        else None
+    main = [s for s in sources or [] if isinstance(s, DictConfig) and s.get("provider") == "main"]
+    if [(s.get("schema"), s.get("path")) for s in main] == [("pkg", "bfexp.conf")]:
+        return None
+    return f"{main[0].get('schema')}://{main[0].get('path')}" if main else "none"
+
+
+def refuse_foreign(key: str, folder: Path, record: Path) -> None:
+    """A run or sweep folder another program's Hydra record is in (``record``): refused before Hydra writes
+    its own record over it (ConfigError: one line, exit 2, the folder untouched). An unreadable record is
+    left to the checks that read it."""
+    from omegaconf import OmegaConf
+
+    from bfexp.errors import ConfigError
+
+    try:
+        other = other_program(OmegaConf.load(record)) if record.is_file() else None
+    except Exception:  # yaml's, OmegaConf's, undecodable bytes: not a record this check can read
+        return
+    if other:
+        raise ConfigError(f"{key}={folder} holds another program's Hydra record ({record.name}, primary config "
+                          f"{other}); allowed: a new folder, or one a bfexp run or sweep wrote")
 
 
 def hydra_argument_order(args: list[str]) -> list[str]:
@@ -381,11 +431,12 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
 def start_early(cfg: Any, run_dir: Path, launcher: Any) -> list[Any]:
     """The job's ranks started now, where their start-up overlaps torch's import and the driver's checks
     (they wait for the word to go); none where the launcher cannot do so."""
+    from bfexp.schema import Settings
     from bfexp.sessions import EarlyRanks
 
-    if not EarlyRanks.wanted(cfg, launcher):
+    if not EarlyRanks.wanted(cfg.engine, int(cfg.ranks), launcher):
         return []
-    ranks = EarlyRanks(cfg, run_dir, launcher)
+    ranks = EarlyRanks(cfg.engine, Settings.of(cfg), run_dir, launcher)
     PHASES.mark("ranks started early (they wait for the checks)")
     return [ranks]
 
@@ -405,14 +456,17 @@ def refuse(e: Exception, run_dir: Path, sweep_dir: Path | None, early: list[Any]
 def job_display(plan: Any, run_dir: Path) -> Any:
     """The terminal's progress line and the logger's tracker while a job runs; yields what each metrics
     record goes to and a list where the caller puts the job's summary (the tracker's last word)."""
+    from omegaconf import OmegaConf
+
     from bfexp.config import build, label
     from bfexp.progress import ConsoleProgress
+    from bfexp.summary import job_identity
 
     cfg = plan.cfg
     logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
     progress = ConsoleProgress(cfg.steps, f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}",
                                enabled=logger.progress, epochs=cfg.epochs, budget_s=cfg.get("budget_s"))
-    with progress, logger.tracker(cfg, run_dir) as tracker:
+    with progress, logger.tracker(job_identity(cfg), OmegaConf.to_container(cfg, resolve=True), run_dir) as tracker:
         PHASES.mark("progress display, tracker")
         ended: list[dict] = []
         yield (lambda record: (progress.update(record), tracker.log(record))), ended

@@ -25,6 +25,7 @@ import copy
 import functools
 import importlib
 import inspect
+import sys
 import threading
 import types
 import typing
@@ -226,12 +227,21 @@ KINDS: dict[str, tuple[tuple[str, ...], bool, str]] = {
                  "a subclass of bfexp.topology.Topology or a function returning one"),
     "launcher": (("bfexp.launchers.base.Launcher",), False, "a subclass of bfexp.launchers.Launcher"),
     "logger": (("bfexp.loggers.Logger",), False, "a subclass of bfexp.loggers.Logger"),
+    "topology.graph": ((), True, "a function returning a networkx graph or a matrix, e.g. "
+                                 "networkx.random_geometric_graph, or one of yours"),
 }
 
 
 def check_kind(target: Any, key: str) -> None:
     """Refuse, before it is called, a `_target_` that is not the kind of thing its group builds
-    (``model._target_=bfexp.data.Digits``, ``dataset._target_=os.getcwd``)."""
+    (``model._target_=bfexp.data.Digits``, ``dataset._target_=os.getcwd``); for every key, one from Python's
+    own library (``topology.graph._target_=os.system``, ``subprocess.getoutput``): it builds no component,
+    and would run whatever its arguments say."""
+    module = str(getattr(target, "__module__", None) or "")
+    if inspect.isbuiltin(target) or module.split(".")[0] in sys.stdlib_module_names or not module:
+        name = getattr(target, "__qualname__", getattr(target, "__name__", repr(target)))
+        raise ConfigError(f"{key}._target_ names Python's own {module or 'builtins'}.{name}, which builds no "
+                          f"{key}; allowed: {KINDS[key][2] if key in KINDS else 'a class or function of a library or of yours'}")
     if key not in KINDS:
         return
     bases, functions, allowed = KINDS[key]

@@ -372,8 +372,30 @@ class MNIST(_Folder):
         return (1, 28, 28), 10
 
 
+class ArraysOnly(pickle.Unpickler):
+    """An unpickler that builds numpy arrays and plain data (dicts, lists, bytes, numbers) and nothing else.
+
+    CIFAR-10's batches are pickles, and a pickle may name any function to call while it loads: a file that
+    names anything but numpy's array reconstruction is refused (pickle.UnpicklingError) before anything of
+    it runs. So a data set folder someone shared, or a file swapped into it, runs no code: not in the
+    driver's check of the job (which reads the batches to count them), not on the ranks."""
+
+    ALLOWED = frozenset({
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("_codecs", "encode"),  # how Python 3 pickles bytes at protocol 2
+    })
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a data file may not run")
+        return super().find_class(module, name)
+
+
 class CIFAR10(_Folder):
-    """CIFAR-10 from the python pickle batches (cifar-10-batches-py) in `root`, normalized per channel."""
+    """CIFAR-10 from the python pickle batches (cifar-10-batches-py) in `root`, normalized per channel; read by
+    ``ArraysOnly``, which builds arrays and runs nothing a file names."""
 
     name: ClassVar[str] = "cifar10"
     files = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
@@ -388,7 +410,7 @@ class CIFAR10(_Folder):
         path = self._path(name)
         try:
             with open(path, "rb") as f:
-                batch = pickle.load(f, encoding="bytes")
+                batch = ArraysOnly(f, encoding="bytes").load()
             x, y = np.asarray(batch[b"data"]).reshape(-1, 3, 32, 32), np.array(batch[b"labels"], dtype=np.int64)
         except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError, IndexError) as e:
             raise DatasetError(f"dataset file {path} is not a CIFAR-10 batch ({type(e).__name__}: {e}); "

@@ -431,7 +431,7 @@ def lock_folder(folder: str | os.PathLike) -> str | None:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -456,13 +456,37 @@ def lock_folder(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def _open_lock(path: Path, flags: int) -> int:
+    """The lock file's descriptor; never through a symbolic link (a link to another file would have it
+    truncated) nor of a folder, FIFO or device: ConfigError (one line) naming the path instead."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):
+            from bfexp.errors import ConfigError
+
+            what = "a symbolic link" if path.is_symlink() else "not a file"
+            raise ConfigError(f"{path} is {what}, and bfexp keeps its folder lock there; allowed: a folder whose "
+                              f"{LOCK} is bfexp's own file (or none)") from None
+        raise e
+    import stat
+
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # e.g. a FIFO: opened without blocking, refused all the same
+        os.close(fd)
+        from bfexp.errors import ConfigError
+
+        raise ConfigError(f"{path} is not a file, and bfexp keeps its folder lock there; allowed: a folder whose "
+                          f"{LOCK} is bfexp's own file (or none)")
+    return fd
+
+
 def folder_holder(folder: str | os.PathLike) -> str | None:
     """Who holds ``folder``'s lock (``pid N on HOST``) when another live process does, else None."""
     path = Path(folder) / LOCK
     if str(Path(folder).resolve()) in _held:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_lock(path, os.O_RDONLY)
     except OSError:
         return None
     try:

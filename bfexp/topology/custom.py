@@ -256,7 +256,7 @@ class GeneratedTopology(CustomTopology):
         weights: Weights = "metropolis",
     ) -> None:
         check_ranks(size)
-        from bfexp.components import target_of  # lazy: it loads OmegaConf, which a script's Exp2(n) need not
+        from bfexp.components import check_kind, target_of  # lazy: OmegaConf, which a script's Exp2(n) need not
 
         if not isinstance(graph, Mapping) or not graph.get("_target_"):
             raise TopologyError(
@@ -264,6 +264,7 @@ class GeneratedTopology(CustomTopology):
                 "graph or a matrix) and its arguments, e.g. {_target_: networkx.random_geometric_graph, radius: 0.5}"
             )
         fn = target_of(graph, "topology.graph")
+        check_kind(fn, "topology.graph")  # e.g. os.system: it builds no graph, and would run its arguments
         self.graph = dict(graph)
         kwargs = {k: v for k, v in graph.items() if k != "_target_"}
         if size_arg:
@@ -606,4 +607,42 @@ def _read_node(path: Path, size: int) -> list[_Entries]:
     if not isinstance(node, dict) or "_target_" not in node:
         raise TopologyError(f"topology.path={path.name} has no _target_; allowed: a topology node, e.g. "
                             "_target_: bfexp.topology.GeneratedTopology with its graph")
+    check_file_targets(node, f"topology.path={path.name}")
     return _read(build_topology(node, size), path.name)
+
+
+# What a graph file may name: bfexp's topologies and networkx's graph generators. A data file (one a
+# colleague shared, one a script wrote) chooses no other code: a class or function of the user's own is
+# named in the config they compose (topology._target_=mylab.Ring, topology.graph._target_=mylab.make).
+FILE_TARGETS = ("bfexp.topology.", "networkx.generators.")
+
+
+def check_file_targets(node: Any, where: str) -> None:
+    """Every ``_target_`` in a node read from a data file (nested ones too) names one of bfexp's topologies
+    or a networkx generator, checked by the module it is defined in before anything is imported from
+    elsewhere: TopologyError naming the one that does not."""
+    import importlib
+
+    def visit(value: Any, at: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, f"{at}.{k}" if at else str(k))
+            if "_target_" in value:
+                path = str(value["_target_"])
+                module, _, name = path.rpartition(".")
+                defined = ""
+                if module.startswith(("bfexp.", "networkx")):  # import only what may be allowed
+                    try:
+                        defined = str(getattr(getattr(importlib.import_module(module), name), "__module__", ""))
+                    except (ImportError, AttributeError):
+                        defined = ""
+                if not (defined + ".").startswith(FILE_TARGETS):
+                    key = f"{at}._target_" if at else "_target_"
+                    raise TopologyError(f"{where} names {key}={path}, code a graph file may not choose; allowed in a "
+                                        "file: bfexp's topologies and networkx's generators (your own class or "
+                                        "function: name it in the config, e.g. topology.graph._target_=mylab.make)")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                visit(v, f"{at}[{i}]")
+
+    visit(node, "")

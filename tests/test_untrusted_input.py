@@ -1,0 +1,220 @@
+"""Nothing lost, nothing run that was not asked for (issue 44's first class).
+
+bfexp never deletes or overwrites what it did not write, and never runs code named by a data file or a
+saved folder. Each case runs the real `bfexp` in a folder of its own and checks three things: one line
+on stderr with exit code 2, the foreign files byte for byte as they were, and no marker file that the
+named code would have made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_bfexp, write_cifar10
+
+# A program of another lab's, on Hydra as bfexp is: its run and sweep folders look like bfexp's.
+OTHER_APP = """\
+import hydra
+
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    print(dict(cfg))
+
+
+main()
+"""
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (links as their target's name) and its content's hash."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(folder))] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[str(p.relative_to(folder))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[str(p.relative_to(folder))] = "dir"
+    return out
+
+
+def refused(proc: subprocess.CompletedProcess, *words: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("bfexp: error: "), proc.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.fixture
+def other_app(tmp_path):
+    """Runs the other program in tmp_path: other_app(*overrides) leaves its folders there."""
+    (tmp_path / "app.py").write_text(OTHER_APP)
+
+    def run(*args: str) -> None:
+        subprocess.run([sys.executable, "app.py", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+
+    return run
+
+
+@pytest.mark.parametrize("overrides", [["+db.user=alice"], ["+lr=0.5", "+steps=3"], []],
+                         ids=["keys-bfexp-refuses", "keys-bfexp-knows", "no-overrides"])
+def test_resume_of_another_programs_run_folder_touches_nothing(tmp_path, other_app, overrides):
+    """bfexp resume=<another Hydra app's run folder>: refused in one line; the folder (its .hydra/ record, its
+    log, a result file of its own) stays as it was: not deleted, not written into, no bfexp job run there."""
+    other_app(*overrides, "hydra.run.dir=theirs")
+    (tmp_path / "theirs" / "results.csv").write_text("epoch,acc\n1,0.9\n")
+    before = snapshot(tmp_path / "theirs")
+    refused(run_bfexp(["resume=theirs"], tmp_path, timeout=120), "resume:", "another program")
+    assert snapshot(tmp_path / "theirs") == before
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_resume_of_another_programs_sweep_folder_touches_nothing(tmp_path, other_app):
+    other_app("-m", "+x=1,2", "hydra.sweep.dir=sweep")
+    before = snapshot(tmp_path / "sweep")
+    refused(run_bfexp(["resume=sweep"], tmp_path, timeout=120), "multirun.yaml", "another program")
+    assert snapshot(tmp_path / "sweep") == before
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_an_output_folder_holding_another_programs_record_is_refused(tmp_path, other_app, mode):
+    """hydra.run.dir= / hydra.sweep.dir= naming another program's folder: refused before Hydra writes its
+    record over the other one's."""
+    if mode == "run":
+        other_app("+a=1", "hydra.run.dir=theirs")
+        args = ["hydra.run.dir=theirs", "steps=2"]
+    else:
+        other_app("-m", "+a=1,2", "hydra.sweep.dir=theirs")
+        args = ["-m", "hydra.sweep.dir=theirs", "steps=2", "lr=0.1,0.2"]
+    before = snapshot(tmp_path / "theirs")
+    refused(run_bfexp(args, tmp_path, timeout=120), f"hydra.{mode}.dir=theirs", "another program's Hydra record")
+    assert snapshot(tmp_path / "theirs") == before
+
+
+def test_a_refused_job_keeps_a_folder_that_was_there_before(tmp_path):
+    """Bad input in a folder bfexp did not make in this run (a user named it; it holds only logs): the
+    refusal removes nothing of it."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.log").write_text("my notes\n")
+    refused(run_bfexp(["hydra.run.dir=mine", "lr=-1"], tmp_path, timeout=120), "lr=-1")
+    assert (folder / "notes.log").read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("kind", ["symlink", "folder", "fifo"])
+def test_a_lock_that_is_not_bfexps_file_is_refused_and_left_alone(tmp_path, kind):
+    """run/.lock as a link to another file (which the lock would have truncated), a folder, a FIFO (which
+    would block the open): one line, exit 2, the other file intact."""
+    run = tmp_path / "run"
+    run.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    if kind == "symlink":
+        (run / ".lock").symlink_to(target)
+    elif kind == "folder":
+        (run / ".lock").mkdir()
+    else:
+        os.mkfifo(run / ".lock")
+    refused(run_bfexp(["hydra.run.dir=run", "steps=2"], tmp_path, timeout=120), "run/.lock", "folder lock")
+    assert target.read_text() == "keep me\n"
+    refused(run_bfexp(["resume=run"], tmp_path, timeout=120), "run/.lock")
+
+
+GRAPH_FILES = {
+    "os-system": {"_target_": "bfexp.topology.GeneratedTopology", "size_arg": None,
+                  "graph": {"_target_": "os.system", "command": "touch {marker}"}},
+    "subprocess": {"_target_": "bfexp.topology.GeneratedTopology", "size_arg": None,
+                   "graph": {"_target_": "subprocess.getoutput", "cmd": "touch {marker}"}},
+    "top-level": {"_target_": "os.system", "command": "touch {marker}"},
+    "networkx-writer": {"_target_": "bfexp.topology.GeneratedTopology", "size_arg": None,
+                        "graph": {"_target_": "networkx.write_edgelist", "G": [], "path": "{marker}"}},
+    "user-module": {"_target_": "bfexp.topology.GeneratedTopology",
+                    "graph": {"_target_": "mymod.make", "seed": 1}},
+}
+
+
+@pytest.mark.parametrize("case", list(GRAPH_FILES))
+def test_a_graph_file_chooses_no_code(tmp_path, case):
+    """topology.path=<a YAML topology node>: only bfexp's topologies and networkx's generators may be named
+    there; os.system, a networkx function that writes files, or a module of the user's own is refused before
+    it is imported or called (the marker it would make is never made; mymod is never imported)."""
+    import yaml
+
+    marker = tmp_path / "MARKER"
+    node = yaml.safe_load(yaml.safe_dump(GRAPH_FILES[case]).replace("{marker}", str(marker)))
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(node))
+    (tmp_path / "mymod.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef make(n, seed=0):\n    return None\n")
+    refused(run_bfexp(["topology=file", "topology.path=t.yaml", "steps=2"], tmp_path, timeout=120),
+            "topology.path=t.yaml", "a graph file may not choose")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("override", ["topology.graph._target_=os.system", "topology.graph._target_=builtins.eval",
+                                      "model._target_=subprocess.getoutput", "dataset._target_=os.getcwd",
+                                      "optimizer._target_=shutil.rmtree"])
+def test_pythons_own_functions_build_no_component(tmp_path, override):
+    """A _target_ from Python's standard library builds no component, on the command line either."""
+    group = override.partition(".")[0]
+    overrides = [override, "steps=2"] + (["topology=generated"] if group == "topology" else [])
+    refused(run_bfexp(overrides, tmp_path, timeout=120), "_target_", "builds no" if group != "dataset" else "")
+
+
+def test_a_graph_function_of_the_users_own_named_in_the_config_runs(tmp_path):
+    """What a user does want: their own graph function, named in the config they compose."""
+    (tmp_path / "mymod.py").write_text("import networkx as nx\n\n\ndef ring(n):\n    return nx.cycle_graph(n)\n")
+    proc = run_bfexp(["topology=generated", "topology.graph={_target_: mymod.ring}", "steps=2", "report=false",
+                      "hydra.run.dir=run", "baseline_steps=0"], tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_resume_does_not_run_code_a_saved_folder_names(tmp_path):
+    """A run folder whose saved overrides name a _target_ (one shared by someone else, or edited): resume
+    refuses it and says how to give it; given beside resume=, it runs."""
+    args = ["hydra.run.dir=run", "optimizer._target_=torch.optim.SGD", "engine=threads", "steps=3",
+            "fail_rank=0", "fail_step=2", "baseline_steps=0", "logger=jsonl"]
+    assert run_bfexp(args, tmp_path, timeout=240).returncode == 1  # the injected failure
+    before = snapshot(tmp_path / "run")
+    refused(run_bfexp(["resume=run"], tmp_path, timeout=120), "optimizer._target_=torch.optim.SGD",
+            "give optimizer._target_ yourself")
+    assert snapshot(tmp_path / "run") == before
+    proc = run_bfexp(["resume=run", "optimizer._target_=torch.optim.SGD", "fail_rank=null"], tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+class _Marker:
+    """Pickles as a call of os.system, as a tampered data file would."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.parametrize("where", ["driver", "rank"])
+def test_a_cifar_batch_that_names_code_is_refused(tmp_path, where):
+    """dataset=cifar10 reads pickles; one that names a function (os.system) is refused by the driver's check
+    before it runs, and by the loader a rank uses."""
+    from bfexp.data import CIFAR10, DatasetError
+
+    root = tmp_path / "c"
+    batches = write_cifar10(root, per_batch=10)
+    marker = tmp_path / "MARKER"
+    tampered = dict(batches["data_batch_3"], **{b"batch_label": _Marker(marker)})
+    (root / "data_batch_3").write_bytes(pickle.dumps(tampered))
+    if where == "driver":
+        refused(run_bfexp(["dataset=cifar10", f"dataset.root={root}", "model=cnn", "steps=2"], tmp_path,
+                          timeout=240), "data_batch_3", "os.system" if os.name != "posix" else "system")
+    else:
+        with pytest.raises(DatasetError, match="data_batch_3 is not a CIFAR-10 batch .*may not run"):
+            CIFAR10(root=str(root), partition="iid", alpha=0.5, eval_samples=0).load(0, 1, seed=0)
+    assert not marker.exists()
