@@ -156,11 +156,32 @@ def clean(value: Any) -> Any:
     return value
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc: os.umask can only be read by setting
+    it, which another thread's file creation could see); the set-and-restore fallback runs once, at import."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()  # a results file is made as open() would make it: 0o666 less the user's umask
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (a temporary file beside it, renamed over it), with the mode
+    a plain open() would give it under the user's umask (mkstemp's 0600 would hide it from collaborators)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
