@@ -139,12 +139,14 @@ def number_in(key: str, value: Any, *, low: float | None = None, high: float | N
     return value
 
 
-def text_of(path: Any, key: str, allowed: str, error: type[Exception] = ConfigError) -> str:
+def text_of(path: Any, key: str, allowed: str, error: type[Exception] = ConfigError, limit: int | None = None) -> str:
     """A user's text file as UTF-8 text; ``error`` (one line: ``key=path cannot be read (why); allowed: ...``)
-    for a file that is missing, a folder, unreadable or not text (undecodable bytes)."""
+    for a file that is missing, a folder, unreadable, not text (undecodable bytes), not a regular file (a
+    FIFO, /dev/zero: refused without blocking or reading) or over ``limit`` bytes (default 2 GiB)."""
+    from bfexp.files import GiB, read_file
+
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        return read_file(path, 2 * GiB if limit is None else limit).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         why = f"{type(e).__name__}: {e.strerror}" if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
         raise error(f"{key}={path} cannot be read ({why}); allowed: {allowed}") from None

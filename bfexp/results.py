@@ -197,6 +197,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(clean(obj), indent=2, sort_keys=True) + "\n")
 
 
+# The largest results files bfexp reads back: a summary.json is kilobytes, a metrics.jsonl of a million
+# logged steps under a gigabyte; a path to something larger (or to /dev/zero) is not one of them.
+JSON_LIMIT = 256 * 2**20
+JSONL_LIMIT = 4 * 2**30
+
+
 def read_json(path: str | os.PathLike) -> dict | None:
     """A JSON object from a file; None when there is none or it is not one (``read_json_checked`` says why)."""
     return read_json_checked(path)[0]
@@ -205,13 +211,16 @@ def read_json(path: str | os.PathLike) -> dict | None:
 def read_json_checked(path: str | os.PathLike) -> tuple[dict | None, str | None]:
     """(the JSON object in a file, None); (None, None) when there is no file; (None, what is wrong) when it is
     damaged: undecodable bytes, truncated or not JSON, or JSON that is not an object."""
+    from bfexp.files import NotARegularFile, TooLarge, read_file
+
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read())
+        data = json.loads(read_file(path, JSON_LIMIT))
     except FileNotFoundError:
         return None, None
     except IsADirectoryError:
         return None, f"{path} is a folder"
+    except (NotARegularFile, TooLarge) as e:  # /dev/zero, a FIFO (not opened to block), a file of gigabytes
+        return None, f"{path} is {e.strerror}"
     except UnicodeDecodeError as e:
         return None, f"{path} holds undecodable bytes ({e.reason} at byte {e.start})"
     except json.JSONDecodeError as e:
@@ -239,10 +248,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 def read_jsonl_checked(path: str | os.PathLike) -> tuple[list[dict], str | None]:
     """(the records of a JSON-lines file, None), or the records before its first damaged line and what is
     wrong there (undecodable bytes, a line that is not a JSON object)."""
+    from bfexp.files import read_file
+
     records: list[dict] = []
     try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
+        lines = read_file(path, JSONL_LIMIT).split(b"\n")
     except FileNotFoundError:
         return records, None
     except OSError as e:

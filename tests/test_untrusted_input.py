@@ -218,3 +218,56 @@ def test_a_cifar_batch_that_names_code_is_refused(tmp_path, where):
         with pytest.raises(DatasetError, match="data_batch_3 is not a CIFAR-10 batch .*may not run"):
             CIFAR10(root=str(root), partition="iid", alpha=0.5, eval_samples=0).load(0, 1, seed=0)
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- memory and time nobody bounded
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "link-to-dev-zero"])
+def test_a_corpus_that_never_ends_or_blocks_is_refused(tmp_path, kind):
+    """dataset=text with dataset.path=/dev/zero (read without end) or a FIFO (whose open blocks): one line,
+    exit 2, promptly (the timeout would end a read of /dev/zero or a blocked open)."""
+    if kind == "dev-zero":
+        path, what = "/dev/zero", "a character device"
+    elif kind == "fifo":
+        os.mkfifo(tmp_path / "corpus")
+        path, what = "corpus", "a FIFO"
+    else:
+        os.symlink("/dev/zero", tmp_path / "corpus.txt")
+        path, what = "corpus.txt", "a character device"
+    refused(run_bfexp(["dataset=text", f"dataset.path={path}", "model=gpt", "steps=2"], tmp_path, timeout=60),
+            "dataset.path=", what)
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
+def test_bfexp_report_names_a_summary_that_is_not_a_file(tmp_path, kind):
+    """bfexp-report over a job folder whose summary.json is /dev/zero or a FIFO: the job is listed as damaged,
+    naming what the file is, and the report ends (no unbounded read, no blocked open)."""
+    job = tmp_path / "sweep" / "0_lr=0.1"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- lr=0.1\n")
+    if kind == "dev-zero":
+        os.symlink("/dev/zero", job / "summary.json")
+    else:
+        os.mkfifo(job / "summary.json")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.report", str(tmp_path / "sweep")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert "character device" in out if kind == "dev-zero" else "a FIFO" in out, out[-2000:]
+
+
+def test_read_file_takes_regular_files_within_their_limit(tmp_path):
+    """bfexp.files.read_file: a file's bytes; more than its limit, a FIFO or a device refused before reading."""
+    from bfexp.files import NotARegularFile, TooLarge, read_file
+
+    (tmp_path / "small").write_bytes(b"x" * 100)
+    assert read_file(tmp_path / "small", 100) == b"x" * 100
+    with pytest.raises(TooLarge, match="100 bytes, more than the 99"):
+        read_file(tmp_path / "small", 99)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(NotARegularFile, match="a FIFO"):
+        read_file(tmp_path / "fifo", 10)
+    with pytest.raises(NotARegularFile, match="a character device"):
+        read_file("/dev/zero", 10)
+    with pytest.raises(FileNotFoundError):
+        read_file(tmp_path / "none", 10)
