@@ -246,14 +246,14 @@ class MergedTail:
 def metrics_tail(cfg: Any, run_dir: Path) -> Any:
     """What the driver follows for progress: rank 0's metrics.jsonl, or (an asynchronous budget run,
     whose ranks log on their own) the ranks' records merged by time."""
-    if config.no_lockstep(cfg):
+    if config.no_lockstep(config.Settings.of(cfg), cfg.algorithm):
         return MergedTail(run_dir, int(cfg.ranks))
     return results.JsonlTail(Path(run_dir) / results.METRICS)
 
 
 def merge_records(cfg: Any, run_dir: Path, time_source: str) -> None:
     """The driver, once the ranks ended (an asynchronous budget run): metrics.jsonl from their records."""
-    if config.no_lockstep(cfg):
+    if config.no_lockstep(config.Settings.of(cfg), cfg.algorithm):
         try:
             write_merged(run_dir, int(cfg.ranks), time_source)
         except (OSError, ValueError, KeyError):  # damaged records: the job's outcome stands

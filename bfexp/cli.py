@@ -393,7 +393,7 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
     """``run_job``'s job in its held folder, a column: validate -> plan (with the preflight) -> launch -> report.
     Bad input ends the driver here (SystemExit passes through Hydra untouched: one line, exit 2 or 3), before
     any rank starts on its work."""
-    from bfexp.config import check_fail_step, validate
+    from bfexp.config import Settings, check_fail_step, validate
     from bfexp.errors import ConfigError, LaunchError
     from bfexp.launch import launch
     from bfexp.plan import make_plan
@@ -405,7 +405,7 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
             PHASES.mark("validate")
             plan = make_plan(cfg, placed=lambda job, launcher: early.extend(start_early(job, run_dir, launcher)))
             if sweep_dir is None and cfg.epochs is not None and plan.steps is not None:  # e.g. fail_step=50 epochs=1
-                check_fail_step(plan.cfg, plan.steps)
+                check_fail_step(Settings.of(plan.cfg), plan.steps)
             PHASES.mark("plan: engine choice, preflight, dry build")
         except (ConfigError, LaunchError) as e:
             refuse(e, run_dir, sweep_dir, early)
@@ -605,7 +605,7 @@ def check_sweep(config: Any) -> None:
     ``-m lr=0.1,-1`` is refused (one line, exit 2) before ``lr=0.1`` trains, and no folder is made. Options
     that name a rank or a step are checked against the largest job (``check_reach``). A sweep launcher whose
     jobs run elsewhere (its class's ``runs_here``: Slurm's) leaves this machine's memory out of the check."""
-    from bfexp.config import check_fail_step, check_reach, validate
+    from bfexp.config import Settings, check_fail_step, check_reach, validate
     from bfexp.errors import ConfigError
     from bfexp.launchers.sweep import runs_here
     from bfexp.plan import make_plan
@@ -618,7 +618,7 @@ def check_sweep(config: Any) -> None:
     for swept, job in points:
         try:
             validate(job)
-            check_reach(job, ranks, steps)
+            check_reach(Settings.of(job), job.get("heterogeneity"), ranks, steps)
             plan = make_plan(job, here=here, preflight=False)
         except ConfigError as e:
             raise type(e)(f"{e}{sweep_point(points, swept)}") from None
@@ -628,7 +628,7 @@ def check_sweep(config: Any) -> None:
         longest = max([n for _, _, n in counted] + [int(job.steps) for _, job in points if job.epochs is None])
         for swept, job, _ in counted:  # against the longest job: a point is named only where fail_step is swept
             try:
-                check_fail_step(job, longest, sweep=len(points) > 1)
+                check_fail_step(Settings.of(job), longest, sweep=len(points) > 1)
             except ConfigError as e:
                 named = [o for o in swept if o.startswith("fail_step=")]
                 raise type(e)(f"{e}{sweep_point(points, named)}") from None

@@ -28,7 +28,8 @@ from bfexp.components import (KINDS, OPTIMIZER_RANGES, RUNTIME, SEED_MAX, build,
                               node_options, option_node, signature_schema, target_of, type_ok)
 from bfexp.errors import ConfigError, number_in
 from bfexp.schema import (DATA_GROUPS, Config, Dtype, EmulatedScalingConfig, Ethernet10GConfig, FailMode,
-                          H100ClusterConfig, LocalScalingConfig, ScalingConfig, V100ClusterConfig, register_schema)
+                          H100ClusterConfig, LocalScalingConfig, ScalingConfig, Settings, V100ClusterConfig,
+                          register_schema)
 
 __all__ = ["DATA_GROUPS", "KINDS", "OPTIMIZER_RANGES", "RESOLVERS", "RUNTIME", "SEED_MAX", "Config", "ConfigError",
            "Dtype", "EmulatedScalingConfig", "Ethernet10GConfig", "FailMode", "H100ClusterConfig",
@@ -64,10 +65,10 @@ def register_configs() -> None:
     register_schema()
 
 
-def engine_config(cfg: Any, name: str) -> Any:
+def engine_config(engine: Any, name: str) -> Any:
     """engine=auto's choice ``name`` as a config node: the chosen engine's class with auto's settings that it
-    takes (bfexp.comm.Auto.choice)."""
-    return OmegaConf.create(build(cfg.engine, "engine").choice(name))
+    takes (bfexp.comm.Auto.choice). ``engine``: the job's engine node (engine=auto's)."""
+    return OmegaConf.create(build(engine, "engine").choice(name))
 
 
 # ------------------------------------------------------------------ validation of the top level, the data groups, across groups
@@ -79,8 +80,8 @@ ALLOWED = {
 }
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
+def _get(node: Any, dotted: str) -> Any:
+    """``node``'s value at the dotted key, or None where any part is missing."""
     for part in dotted.split("."):
         if node is None or part not in node:
             return None
@@ -93,15 +94,14 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate_engine(cfg: Any) -> None:
+def validate_engine(engine: Any, ranks: int) -> None:
     """What the driver reads of the engine node (its name, its machines against the ranks), and the node
     against its class where that costs no early start: engine=auto's chooser (bfexp.comm.Auto) is light and
     built here; virtual ranks' engine is checked (they are threads of this process, which imports their class
     anyway). A process engine's class imports torch, which the driver leaves until the ranks it may start
-    early have started: its ranks check it, building it."""
+    early have started: its ranks check it, building it. ``engine``: the engine node; ``ranks``: the job's."""
     from bfexp.comm import PROCESS_ENGINES
 
-    engine = cfg.engine
     for key in ("name", "ranks_per_machine"):
         _require(key in engine, f"engine.{key} is missing; allowed: an engine node with _target_, name and "
                                 "ranks_per_machine (see conf/engine/)")
@@ -112,8 +112,8 @@ def validate_engine(cfg: Any) -> None:
     rpm = number_in("engine.ranks_per_machine", engine.ranks_per_machine, low=0, integer=True, note="(0: one machine)")
     if rpm:
         _require(
-            cfg.ranks % rpm == 0,
-            f"engine.ranks_per_machine={rpm} does not divide ranks={cfg.ranks}; allowed: a divisor of ranks",
+            ranks % rpm == 0,
+            f"engine.ranks_per_machine={rpm} does not divide ranks={ranks}; allowed: a divisor of ranks",
         )
 
 
@@ -139,14 +139,15 @@ CALIBRATED = ("intra_latency_s", "intra_bandwidth_gbyte_per_s", "inter_latency_s
               "reduce_gbyte_per_s", "switch_gbyte_per_s")
 
 
-def validate_scaling(cfg: Any) -> None:
-    """The scaling config's figures, the baseline probe and throughput-only mode."""
-    sc = cfg.scaling
+def validate_scaling(sc: Any, launcher: Any, engine: Any, ranks: int) -> None:
+    """The scaling config's figures, the baseline probe and throughput-only mode. ``sc``: the scaling node;
+    ``launcher`` and ``engine``: the launcher's and the engine's nodes (their machines against its);
+    ``ranks``: the job's."""
     if sc.name == "emulated":  # first: its figures interpolate the launcher's
         from bfexp.launchers.base import launcher_class
 
-        _require(getattr(launcher_class(cfg.launcher), "emulates_cluster", False),  # asked of its class
-                 f"scaling=emulated with launcher={label(cfg.launcher)}; "
+        _require(getattr(launcher_class(launcher), "emulates_cluster", False),  # asked of its class
+                 f"scaling=emulated with launcher={label(launcher)}; "
                  "allowed: launcher=emulated (the cluster whose links and quota it prices)")
     for key in ("intra_bandwidth_gbyte_per_s", "inter_bandwidth_gbyte_per_s", "reduce_gbyte_per_s"):
         if not (key == "inter_bandwidth_gbyte_per_s" and sc[key] == math.inf):  # inf: an unshaped link
@@ -175,13 +176,13 @@ def validate_scaling(cfg: Any) -> None:
     check_cache_folder(sc.get("reference_cache"))
     rpm = sc.ranks_per_machine
     _require(rpm >= 0, f"scaling.ranks_per_machine={rpm}; allowed: 0 (one machine) or >= 1")
-    if rpm and cfg.ranks > rpm:
+    if rpm and ranks > rpm:
         _require(
-            cfg.ranks % rpm == 0,
-            f"ranks={cfg.ranks} does not fill machines of scaling.ranks_per_machine={rpm} (scaling={sc.name}); "
+            ranks % rpm == 0,
+            f"ranks={ranks} does not fill machines of scaling.ranks_per_machine={rpm} (scaling={sc.name}); "
             f"allowed: at most {rpm} ranks or a multiple of {rpm}",
         )
-        erpm = cfg.engine.ranks_per_machine
+        erpm = engine.ranks_per_machine
         _require(
             erpm in (0, rpm),
             f"engine.ranks_per_machine={erpm} differs from scaling.ranks_per_machine={rpm} of scaling={sc.name}; "
@@ -202,21 +203,21 @@ def unknown_key(key: str, allowed: Iterable[str]) -> str:
     return f"unknown key '{key}'{near_miss(key.rpartition('.')[2], allowed)}; allowed: {', '.join(allowed)}"
 
 
-def check_closed(cfg: Any) -> None:
+def check_closed(keys: Iterable[str], scaling: Any) -> None:
     """The top level and the data-only groups are closed: Hydra's struct mode refuses ``stps=5`` at compose
     time, but a ``+key=value`` addition (``+stpes=5``) gets in and would be ignored. Refused here, naming
-    the near miss."""
+    the near miss. ``keys``: the top level's keys; ``scaling``: the scaling node."""
     from dataclasses import fields
 
     top = [f.name for f in fields(Config)]
-    for key in cfg:
+    keys = list(keys)
+    for key in keys:
         if key not in top and key != "hydra":
             raise ConfigError(unknown_key(str(key), top))
-    gone = [key for key in top if key not in cfg]  # ``~ranks`` deletes a key the run needs
+    gone = [key for key in top if key not in keys]  # ``~ranks`` deletes a key the run needs
     if gone:
         raise ConfigError(f"{gone[0]} was deleted (~{gone[0]}); allowed: a value for every top-level key "
                           f"(set it, e.g. {gone[0]}=..., or leave it out for its default)")
-    scaling = cfg.get("scaling")
     if isinstance(scaling, DictConfig):
         keys = [f.name for f in fields(ScalingConfig)]
         for key in scaling:
@@ -224,44 +225,46 @@ def check_closed(cfg: Any) -> None:
                 raise ConfigError(unknown_key(f"scaling.{key}", keys))
 
 
-def check_reach(cfg: Any, ranks: int | None = None, steps: int | None = None) -> None:
+def check_reach(settings: Settings, heterogeneity: Any, ranks: int | None = None, steps: int | None = None) -> None:
     """Options that name a rank or a step must name one the command runs: ``fail_rank=7 ranks=2`` or
     ``fail_step=50 steps=5`` would never fire. ``ranks``/``steps``: the most any job of the command runs
     (a sweep over ``ranks=2,4`` may share ``fail_rank=3``: it fires in the 4-rank job); default this job's.
     A job that counts ``epochs`` knows its steps only from its data set: ``check_fail_step`` after the
-    dry build."""
-    ranks = int(cfg.ranks if ranks is None else ranks)
-    within = f"ranks={ranks}" + (" in the largest job of this sweep" if ranks != cfg.ranks else "")
-    if cfg.get("fail_rank") is not None and cfg.fail_rank >= ranks:
-        raise ConfigError(f"fail_rank={cfg.fail_rank} is no rank of {within}; allowed: an integer in [0, {ranks - 1}]")
-    if cfg.get("epochs") is None:
-        check_fail_step(cfg, int(cfg.steps if steps is None else steps), sweep=steps not in (None, cfg.steps))
-    slow = _get(cfg, "heterogeneity.slow_ranks") or []
+    dry build. ``heterogeneity``: the heterogeneity node (its slow ranks), or None."""
+    ranks = int(settings.ranks if ranks is None else ranks)
+    within = f"ranks={ranks}" + (" in the largest job of this sweep" if ranks != settings.ranks else "")
+    if settings.fail_rank is not None and settings.fail_rank >= ranks:
+        raise ConfigError(f"fail_rank={settings.fail_rank} is no rank of {within}; allowed: an integer in [0, {ranks - 1}]")
+    if settings.epochs is None:
+        check_fail_step(settings, int(settings.steps if steps is None else steps),
+                        sweep=steps not in (None, settings.steps))
+    slow = _get(heterogeneity, "slow_ranks") or []
     beyond = [r for r in slow if isinstance(r, int) and r >= ranks]
     if beyond:
         raise ConfigError(f"heterogeneity.slow_ranks={list(slow)} names rank(s) {', '.join(map(str, beyond))}, "
                           f"none of {within}; allowed: ranks in [0, {ranks - 1}]")
 
 
-def total_steps(cfg: Any, global_train_size: int, size: int) -> int:
+def total_steps(settings: Settings, global_train_size: int, size: int) -> int:
     """The steps a job runs: ``steps``, or ``epochs`` over the training set at this batch size and rank
     count. Every rank runs the same number, even when shards differ in size."""
-    if cfg.get("epochs") is None:
-        return int(cfg.steps)
-    return int(cfg.epochs) * max(1, global_train_size // (size * cfg.batch_size))
+    if settings.epochs is None:
+        return int(settings.steps)
+    return int(settings.epochs) * max(1, global_train_size // (size * settings.batch_size))
 
 
-def check_fail_step(cfg: Any, steps: int, sweep: bool = False) -> None:
+def check_fail_step(settings: Settings, steps: int, sweep: bool = False) -> None:
     """``fail_step`` must be a step the command runs. ``steps``: this job's, or with ``sweep`` the most any
     job of the sweep runs (a shorter job may share a fail_step that the longest reaches)."""
-    if cfg.fail_step <= steps:
+    if settings.fail_step <= steps:
         return
-    last = f"steps={steps}" if cfg.get("epochs") is None else f"{steps} steps"
+    last = f"steps={steps}" if settings.epochs is None else f"{steps} steps"
     if sweep:
         last += " in the longest job of this sweep"
-    elif cfg.get("epochs") is not None:  # e.g. epochs=1 over 1,024 samples at batch_size=32, ranks=4: 8 steps
-        last += f" from epochs={cfg.epochs} at batch_size={cfg.batch_size} and ranks={cfg.ranks}"
-    raise ConfigError(f"fail_step={cfg.fail_step} is after the last step ({last}); allowed: an integer in [1, {steps}]")
+    elif settings.epochs is not None:  # e.g. epochs=1 over 1,024 samples at batch_size=32, ranks=4: 8 steps
+        last += f" from epochs={settings.epochs} at batch_size={settings.batch_size} and ranks={settings.ranks}"
+    raise ConfigError(f"fail_step={settings.fail_step} is after the last step ({last}); allowed: an integer in "
+                      f"[1, {steps}]")
 
 
 def validate(cfg: Any, reach: bool = False) -> None:
@@ -272,9 +275,11 @@ def validate(cfg: Any, reach: bool = False) -> None:
     options naming a rank or a step against this job's (``check_reach``; a sweep checks them against its
     largest job).
     """
-    check_closed(cfg)
+    check_closed(list(cfg), cfg.get("scaling"))
+    settings = Settings.of(cfg)
     for key, allowed in ALLOWED.items():
-        value = _get(cfg, key)
+        group, _, leaf = key.rpartition(".")
+        value = _get(cfg.get(group), leaf) if group else getattr(settings, key)
         if value is not None:
             _require(value in allowed, f"{key}={value!r}; allowed: {', '.join(allowed)}")
     number_in("ranks", cfg.ranks, low=1, integer=True)
@@ -297,7 +302,7 @@ def validate(cfg: Any, reach: bool = False) -> None:
     number_in("divergence_loss", cfg.divergence_loss, low=0, low_open=True)
     number_in("timeout_s", cfg.timeout_s, low=0)
     number_in("checkpoint_every", cfg.checkpoint_every, low=0, integer=True)
-    if cfg.get("budget_s") is not None and cfg.checkpoint_every and asynchronous(cfg):
+    if cfg.get("budget_s") is not None and cfg.checkpoint_every and asynchronous(cfg.algorithm):
         raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} with budget_s and algorithm="
                           f"{label(cfg.algorithm)}, whose ranks never meet during training; allowed: 0 "
                           "(a stop signal still writes a checkpoint)")
@@ -310,37 +315,38 @@ def validate(cfg: Any, reach: bool = False) -> None:
     if cfg.fail_rank is not None:
         number_in("fail_rank", cfg.fail_rank, low=0, integer=True)  # against the ranks: check_reach
     if reach:
-        check_reach(cfg)
+        check_reach(settings, cfg.get("heterogeneity"))
     build(cfg.logger, "logger")  # its constructor checks its options (bfexp.loggers), e.g. wandb importable
     build(cfg.launcher, "launcher")  # its constructor checks its options (bfexp.launchers)
-    validate_engine(cfg)
-    validate_scaling(cfg)
+    validate_engine(cfg.engine, cfg.ranks)
+    validate_scaling(cfg.scaling, cfg.launcher, cfg.engine, cfg.ranks)
 
 
-def launcher_of(cfg: Any) -> Any:
-    """The job's launcher (bfexp.launchers), built from its config; a config from before the launcher
-    group ran locally."""
+def launcher_of(node: Any) -> Any:
+    """The job's launcher (bfexp.launchers), built from its node (``cfg.get("launcher")``); None (a config
+    from before the launcher group) runs locally."""
     from bfexp.launchers import Local
 
-    node = cfg.get("launcher")
     return build(node, "launcher") if node is not None and node.get("_target_") else Local()
 
 
-def asynchronous(cfg: Any) -> bool:
-    """Whether the job's algorithm never makes ranks wait for one another in a step (its class says so)."""
+def asynchronous(algorithm: Any) -> bool:
+    """Whether the job's algorithm (its node) never makes ranks wait for one another in a step (its class says so)."""
     try:
-        return bool(getattr(target_of(cfg.algorithm, "algorithm"), "asynchronous", False))
+        return bool(getattr(target_of(algorithm, "algorithm"), "asynchronous", False))
     except ConfigError:
         return False  # a bad _target_ is reported where the algorithm is built
 
 
-def no_lockstep(cfg: Any) -> bool:
-    """A time budget with an asynchronous algorithm: each rank trains and logs on its own (bfexp.worker)."""
-    return cfg.get("budget_s") is not None and asynchronous(cfg) and job_kind(cfg) == "train"
+def no_lockstep(settings: Settings, algorithm: Any) -> bool:
+    """A time budget with an asynchronous algorithm (its node): each rank trains and logs on its own
+    (bfexp.worker)."""
+    return settings.budget_s is not None and asynchronous(algorithm) and not settings.throughput_only
 
 
-def job_kind(cfg: Any) -> str:
-    """train; throughput (throughput-only timed on ranks here); modeled (a cluster that is not here: no ranks)."""
-    if not cfg.throughput_only:
+def job_kind(throughput_only: bool, scaling: Any) -> str:
+    """train; throughput (throughput-only timed on ranks here); modeled (a cluster that is not here: no ranks).
+    ``scaling``: the scaling node (whether its cluster is modeled)."""
+    if not throughput_only:
         return "train"
-    return "modeled" if cfg.scaling.modeled else "throughput"
+    return "modeled" if scaling.modeled else "throughput"

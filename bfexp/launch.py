@@ -322,14 +322,14 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
     from bfexp.comm import engine_class
 
     run_dir = Path(run_dir)
-    if job_kind(cfg) == "modeled":  # a cluster that is not here: the cost model answers, no rank starts
+    if job_kind(cfg.throughput_only, cfg.scaling) == "modeled":  # a cluster that is not here: the cost model answers, no rank starts
         write_job_config(cfg, run_dir)
         summary = summaries.modeled(cfg, run_dir)
         return JobResult(summary["status"], run_dir, summary, 0)
     choice = engine_choice
     if not checked:
         cfg, choice = resolve_engine(cfg)
-    launcher = launcher or launcher_of(cfg)
+    launcher = launcher or launcher_of(cfg.get("launcher"))
     if not checked:
         check_engine(cfg, launcher)
     if choice:

@@ -98,10 +98,10 @@ def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: b
     from bfexp.config import job_kind, launcher_of
     from bfexp.preflight import check_engine, resolve_engine
 
-    kind, choice = job_kind(cfg), None
+    kind, choice = job_kind(cfg.throughput_only, cfg.scaling), None
     if kind != "modeled":
         cfg, choice = resolve_engine(cfg)
-        launcher = launcher or launcher_of(cfg)
+        launcher = launcher or launcher_of(cfg.get("launcher"))
         if placed is not None:
             placed(cfg, launcher)
         if preflight:
@@ -232,14 +232,14 @@ def check_data(cfg: Any, dataset: Any) -> tuple[list[str], int | None]:
     DataLoader silently shortens it). Larger than some shards only (an uneven split): those ranks draw their
     whole shard per step, and a note says so. Returns the notes and the steps the job runs (``epochs``
     counts them from the split; None: a data set that cannot say before its ranks load it)."""
-    from bfexp.config import label, total_steps
+    from bfexp.config import Settings, label, total_steps
     from bfexp.errors import ConfigError
 
     try:
         shards, held_out = dataset.sizes(int(cfg.ranks), int(cfg.seed))
     except NotImplementedError:  # a user's data set that overrides load() only: its ranks say
         return [], None if cfg.get("epochs") is not None else int(cfg.steps)
-    steps = total_steps(cfg, sum(shards), int(cfg.ranks))
+    steps = total_steps(Settings.of(cfg), sum(shards), int(cfg.ranks))
     where = f"dataset={label(cfg.dataset)} at ranks={cfg.ranks}"
     if cfg.batch_size > max(shards):
         raise ConfigError(f"batch_size={cfg.batch_size} exceeds every rank's shard ({max(shards)} samples at most "

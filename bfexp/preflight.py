@@ -199,5 +199,5 @@ def resolve_engine(cfg: Any) -> tuple[Any, str | None]:
     name, why = choose_engine(cfg)
     out = cfg.copy()
     with open_dict(out):
-        out.engine = engine_config(cfg, name)
+        out.engine = engine_config(cfg.engine, name)
     return out, f"engine=auto chose {name}: {why}"

@@ -134,7 +134,7 @@ def scaling_block(cfg: Any, engine: Any | None, measured: dict | None, modeled: 
         out.update(machine_layout(cfg, engine))
         cores = scaling.processor_count()
         out["cores"] = cores
-        facts = {} if engine.virtual else launcher_of(cfg).facts(engine.size)
+        facts = {} if engine.virtual else launcher_of(cfg.get("launcher")).facts(engine.size)
         out.update(facts)
         # the ranks that share one machine's cores: across machines, those of a machine
         sharing = engine.local_size if engine.machines > 1 else engine.size
@@ -150,13 +150,13 @@ def topology_ranks_per_machine(cfg: Any) -> int:
     machines a launcher across machines places them on, as the ranks will detect), and for a modeled
     cluster the scaling config's machines (0 = one machine)."""
     rpm = int(cfg.engine.ranks_per_machine)
-    if job_kind(cfg) == "modeled":
+    if job_kind(cfg.throughput_only, cfg.scaling) == "modeled":
         rpm = rpm or int(cfg.scaling.ranks_per_machine)
         return 0 if rpm >= int(cfg.ranks) else rpm
     from bfexp.comm import PROCESS_ENGINES
 
     if not rpm and cfg.engine.name in PROCESS_ENGINES:
-        launcher = launcher_of(cfg)
+        launcher = launcher_of(cfg.get("launcher"))
         placed = [] if launcher.on_this_machine else launcher.hosts(int(cfg.ranks))
         rpm = placed[0][1] if len(placed) > 1 else 0
     return rpm

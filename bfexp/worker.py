@@ -218,7 +218,7 @@ class Training:
         data = job.data
         self.sampler = (StackedSampler(data, cfg.batch_size, cfg.seed) if isinstance(data, StackedData)
                         else BatchSampler(data, cfg.batch_size, cfg.seed, engine.rank))
-        self.steps = steps = config.total_steps(cfg, data.global_train_size, engine.size)
+        self.steps = steps = config.total_steps(config.Settings.of(cfg), data.global_train_size, engine.size)
         self.timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
         # Stragglers (bfexp.heterogeneity): a rank's extra time per step, or its simulated compute time.
         self.heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
@@ -253,7 +253,7 @@ class Training:
         self.budget_s = None if cfg.get("budget_s") is None else float(cfg.budget_s)
         self.last = steps
         self.budget_mark = (self.first - 1, self.clock.now_s())  # (step, time) the pace is measured from
-        self.unlocked = config.no_lockstep(cfg)
+        self.unlocked = config.no_lockstep(config.Settings.of(cfg), cfg.algorithm)
         self.ended = "steps"  # what ended training: steps, budget, stop, diverged
         self.resumed = resumed  # an asynchronous budget run's own state: its place at the cut, its copies
         self.cgroup: Path | None = None  # a CPU-starved rank's cgroup (heterogeneity.cpu_quota)
@@ -856,7 +856,7 @@ def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
     heartbeat = watchdog.Heartbeat(engine, run_dir, period_s=min(1.0, timeout / 4) if timeout else 1.0,
                                    timeout_s=timeout)
     try:
-        runner = JOBS[job_kind(cfg)]
+        runner = JOBS[job_kind(cfg.throughput_only, cfg.scaling)]
         assert runner is not None, "modeled jobs start no rank"
         return runner(cfg, engine, run_dir)
     finally:

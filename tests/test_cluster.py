@@ -140,7 +140,7 @@ def rank_command(launcher_node: dict, ranks: int = 16) -> list[str]:
     from bfexp.sessions import launcher_command, worker_command
 
     cfg = OmegaConf.create({"ranks": ranks, "engine": {"name": "mpi", "mpiexec_args": []}, "launcher": launcher_node})
-    return launcher_command(launcher_of(cfg), cfg, worker_command("RUN"))
+    return launcher_command(launcher_of(cfg.get("launcher")), cfg, worker_command("RUN"))
 
 
 @pytest.mark.skipif(shutil.which("srun") is None, reason="needs Slurm's srun on PATH (.ci/run brings a local Slurm up)")
@@ -378,7 +378,7 @@ def test_ranks_per_machine_the_gpu_check_counts(launcher, ranks, most):
 
     from bfexp.config import launcher_of
 
-    assert launcher_of(OmegaConf.create({"ranks": ranks, "launcher": launcher})).ranks_per_host(ranks) == most
+    assert launcher_of(OmegaConf.create({"ranks": ranks, "launcher": launcher}).launcher).ranks_per_host(ranks) == most
 
 
 def test_gpu_engine_over_mpirun_is_checked_before_any_rank(bfexp):

@@ -68,7 +68,7 @@ def ranks_on_srun(config: DictConfig) -> DictConfig:
 
     from bfexp.config import launcher_of
 
-    if launcher_of(config).on_this_machine:
+    if launcher_of(config.get("launcher")).on_this_machine:
         with resources.as_file(resources.files("bfexp.conf").joinpath("launcher", "srun.yaml")) as path:
             srun = OmegaConf.load(path)
         with open_dict(config):
