@@ -114,6 +114,8 @@ CASES = [
     ("allreduce-adamw", "allreduce", RING, "adamw", {}),
     ("choco_sgd-top_k-ring", "choco_sgd", RING, "sgd", {"compressor": {"_target_": "bfexp.compression.TopK",
                                                                        "ratio": 0.5}}),
+    # issue 44: its second gradient read (nesterov) came back flat, not in the stacked layout
+    ("qg_dsgdm-nesterov", "qg_dsgdm", RING, "momentum", {"nesterov": True}),
 ]
 LARGE_CASES = [
     ("dsgd-awc-one_peer", "dsgd", ONE_PEER, "sgd", {"style": "awc"}),

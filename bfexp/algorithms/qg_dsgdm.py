@@ -58,6 +58,7 @@ class QGDSGDm(DecentralizedOptimizer):
         self.m_hat = torch.zeros_like(self.flat)  # the quasi-global momentum
         self.start = torch.empty_like(self.flat)  # x_i at the start of the step
         self.direction = torch.empty_like(self.flat)
+        self.grad = torch.empty_like(self.flat) if nesterov else None  # g_i again (its buffer's layout: stacked too)
 
     @classmethod
     def check_options(cls, **options: Any) -> None:
@@ -70,7 +71,7 @@ class QGDSGDm(DecentralizedOptimizer):
         g = flat_grad(self.params, out=self.direction)
         m = g.add_(self.m_hat, alpha=beta)  # m_i = beta m_hat_i + g_i
         if self.nesterov:
-            m.mul_(beta).add_(flat_grad(self.params))  # g_i + beta m_i
+            m.mul_(beta).add_(flat_grad(self.params, out=self.grad))  # g_i + beta m_i
         self.start.copy_(self.flat)
         self.flat.add_(self.local_update(m))  # x_half = x - a m_i
         if communicate:
