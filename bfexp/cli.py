@@ -73,6 +73,19 @@ Hydra's own options: bfexp --hydra-help
 """
 
 
+def near_keys(key: str, parent: Any) -> str:
+    """`` (did you mean 'steps'?)`` for a misspelt key, from the keys beside it (``parent``: the config node
+    it is missing from); nothing when none is close or the node is unknown."""
+    import difflib
+
+    try:
+        keys = [str(k) for k in parent.keys() if str(k) != "hydra"] if parent is not None else []
+    except Exception:  # a node that cannot list its keys
+        return ""
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
 def reset_state() -> None:
     """Forget the jobs this process ran (a caller that runs ``command`` again in one interpreter)."""
     _current.clear()
@@ -107,10 +120,16 @@ def one_line(exc: BaseException) -> str:
                 group, option = m.groups()
                 return f"{group}={option} is not an option; allowed: {', '.join(group_options(group))}"
     for e in chain:
+        m = re.search(r"Could not override '([^']+)'\. No match in the defaults list", str(e))
+        if m and m.group(1) in ("experiment",):  # a group that adds to the config rather than choosing an option
+            return (f"{m.group(1)}=... adds a named study to the config, which Hydra spells with a +; allowed: "
+                    f"+{m.group(1)}=NAME, NAME one of {', '.join(group_options(m.group(1)))}")
+    for e in chain:
         m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", str(e))
         if m:
             key = getattr(e, "full_key", None) or m.group(1)
-            return f"unknown key '{key}'; `bfexp --cfg job` lists the keys this config has"
+            return f"unknown key '{key}'{near_keys(m.group(1), getattr(e, 'parent_node', None))}; " \
+                   "`bfexp --cfg job` lists the keys this config has"
         if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
             first = str(e).strip().splitlines()[0]
             return f"{e.full_key}: {first}"
@@ -646,8 +665,10 @@ class RunFolders:
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
+        note_existing(sweep)
         with refused_here():  # before Hydra makes the sweep folder
             check_output_folder(config, "sweep")
+            refuse_foreign("hydra.sweep.dir", sweep, sweep / "multirun.yaml")
             found = busy_job(sweep) if sweep.is_dir() else None
             if found:  # nor writes multirun.yaml there
                 busy("hydra.sweep.dir", sweep, f"job {found[0].name}: {found[1]}")
@@ -656,11 +677,14 @@ class RunFolders:
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         """The run folder is held from here, before Hydra writes its .hydra/ there."""
+        run_dir = Path(str(config.hydra.run.dir))
         with refused_here():  # before Hydra makes the run folder
             check_output_folder(config, "run")
-        run_dir = Path(str(config.hydra.run.dir))
+            refuse_foreign("hydra.run.dir", run_dir, run_dir / ".hydra" / "hydra.yaml")
+        note_existing(run_dir)
         try:
-            holder = results.lock_folder(run_dir)
+            with refused_here():  # e.g. a .lock that is a link or a folder: refused, nothing of it touched
+                holder = results.lock_folder(run_dir)
         except OSError:  # a folder that cannot be made: Hydra's attempt says why
             holder = None
         if holder:

@@ -95,17 +95,23 @@ def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: b
     the dry build. ``here``: the ranks run on this machine
     (its memory and cores are checked). ``placed(cfg, launcher)`` is called as soon as the engine and launcher
     are known, before the slow part (torch's import, the dry build): the driver starts its ranks there."""
-    from bfexp.config import job_kind, launcher_of
-    from bfexp.preflight import check_engine, resolve_engine
+    from omegaconf import open_dict
+
+    from bfexp.config import Settings, job_kind, launcher_of
+    from bfexp.preflight import AUTO_READS, check_engine, resolve_engine
 
     kind, choice = job_kind(cfg.throughput_only, cfg.scaling), None
     if kind != "modeled":
-        cfg, choice = resolve_engine(cfg)
+        engine, choice = resolve_engine(cfg.engine, Settings.of(cfg), **{k: cfg.get(k) for k in AUTO_READS})
+        if choice:  # engine=auto: the job runs on a copy of its config with the engine it chose
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                cfg.engine = engine
         launcher = launcher or launcher_of(cfg.get("launcher"))
         if placed is not None:
             placed(cfg, launcher)
         if preflight:
-            check_engine(cfg, launcher)  # e.g. engine=nccl without a GPU; imports torch
+            check_engine(cfg.engine, int(cfg.ranks), launcher)  # e.g. engine=nccl without a GPU; imports torch
     plan = dry_build(cfg, kind, launcher, here)
     machines, notes = 1, list(plan.notes)
     if kind != "modeled" and preflight:  # where the ranks land (a sweep's points are checked before they run)
@@ -169,7 +175,7 @@ def dry_build(cfg: Any, kind: str, launcher: Any, here: bool) -> Plan:
     finfo = torch.finfo(getattr(torch, cfg.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
     number_in("lr", cfg.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {cfg.dtype})")
     if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
-        check_memory(cfg, launcher, int(parameters), getattr(torch, cfg.dtype).itemsize)
+        check_memory(cfg.engine, int(cfg.ranks), launcher, int(parameters), getattr(torch, cfg.dtype).itemsize)
     optimizer_target, optimizer_options = check_node(cfg.optimizer, "optimizer", runtime=("params",))
     check_optimizer_options(optimizer_options)
     _guarded("optimizer", optimizer_target,
@@ -193,7 +199,8 @@ def _algorithm(cfg: Any, modeled: bool) -> tuple[list[str], int | None]:
 
     notes: list[str] = []
     steps = int(cfg.steps) if cfg.get("epochs") is None else None
-    topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(cfg))
+    topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(
+        cfg.engine, int(cfg.ranks), modeled=modeled, scaling_node=cfg.scaling, launcher=cfg.get("launcher")))
     algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
     algorithm.check_options(**options)
     if not modeled:
@@ -211,14 +218,15 @@ def _algorithm(cfg: Any, modeled: bool) -> tuple[list[str], int | None]:
 def _engine_and_cluster(cfg: Any, modeled: bool, in_shape: tuple[int, ...], classes: int) -> None:
     """What one batched program cannot hold (engine=stacked), stragglers' ranges, a modeled cluster's speed."""
     from bfexp.comm import engine_class
-    from bfexp.config import build, label
+    from bfexp.config import Settings, build, label
     from bfexp.errors import ConfigError
     from bfexp.scaling import declared_speed, missing_speed_message
 
     if not modeled and engine_class(cfg.engine.name).stacked:  # its optimizer, model, options
         from bfexp.comm.stacked import check_job
 
-        check_job(cfg, in_shape, classes)
+        check_job(Settings.of(cfg), in_shape, classes, model=cfg.model, optimizer=cfg.optimizer, dataset=cfg.dataset,
+                  heterogeneity=cfg.get("heterogeneity"))
     if cfg.get("heterogeneity") is not None:  # stragglers: the constructor checks the ranges
         build(cfg.heterogeneity, "heterogeneity")
     if modeled and not declared_speed(cfg.scaling, label(cfg.model)):

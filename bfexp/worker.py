@@ -233,7 +233,8 @@ class Training:
         # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
         # loop's own state: the logging window's sums, the last record, the bytes this rank's training
         # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
-        self.checkpoints = checkpointer.Checkpointer(cfg, engine, run_dir)
+        self.checkpoints = checkpointer.Checkpointer(cfg.get("checkpoint_every", 0), checkpoint.experiment(cfg), engine,
+                                                     run_dir)
         resumed = self.checkpoints.restore(job.model, job.optimizer, self.sampler)
         self.first = resumed["step"] + 1
         self.interval_loss, self.interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
@@ -335,7 +336,9 @@ class Training:
         status, error, loss = results.COMPLETED, None, None
         step = self.first - 1
         for step in range(self.first, self.steps + 1):
-            watchdog.at_step(cfg, engine, step)  # the heartbeat; an injected fault (fail_rank, fail_step, fail_mode)
+            # the heartbeat; an injected fault (fail_rank, fail_step, fail_mode)
+            watchdog.at_step(engine, step, cfg.get("fail_rank"), cfg.get("fail_step"),
+                             cfg.get("fail_mode", "raise"))
             loss = self.timed_step()
             self.interval_loss += rank_value(loss)
             self.interval_n += 1
@@ -467,7 +470,8 @@ class Training:
         status, error, loss = results.COMPLETED, None, None
         step, end_s = self.first - 1, None
         while step < self.steps:
-            watchdog.at_step(cfg, engine, step + 1)
+            watchdog.at_step(engine, step + 1, cfg.get("fail_rank"), cfg.get("fail_step"),
+                             cfg.get("fail_mode", "raise"))
             before = self.clock.now_s()
             if simulated:  # the step takes effect at the time its cost brings the clock to
                 self.pace.pay_ahead()
@@ -774,10 +778,12 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
     modeled = None
     if engine.rank == 0:
         params = list(job.model.parameters())
-        modeled = modeled_block(cfg, n, rank_numel(job.model), params[0].element_size(), job.topology,
-                                *compute_speed(cfg, scaling.throughput_spread(1, batch, single_step)),
+        modeled = modeled_block(cfg.scaling, cfg.algorithm, int(cfg.batch_size), n, rank_numel(job.model),
+                                params[0].element_size(), job.topology,
+                                *compute_speed(cfg.scaling, cfg.model, scaling.throughput_spread(1, batch, single_step)),
                                 layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
-    out = scaling_block(cfg, engine, measured, modeled, throughput_only=False)
+    out = scaling_block(cfg.scaling, engine, measured, modeled, throughput_only=False, engine_node=cfg.engine,
+                        launcher=cfg.get("launcher"))
     out.update(reference_fields(single))
     return out
 
@@ -829,12 +835,14 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
     modeled = None
     if engine.rank == 0:
         params = list(job.model.parameters())
-        modeled = modeled_block(cfg, n, rank_numel(job.model), params[0].element_size(), job.topology,
-                                *compute_speed(cfg, scaling.throughput_spread(1, batch, compute)),
+        modeled = modeled_block(cfg.scaling, cfg.algorithm, int(cfg.batch_size), n, rank_numel(job.model),
+                                params[0].element_size(), job.topology,
+                                *compute_speed(cfg.scaling, cfg.model, scaling.throughput_spread(1, batch, compute)),
                                 layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
     summary = job_identity(cfg, ranks=n, engine=engine.name, batch_size=batch)
     summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
-    summary.update(scaling_block(cfg, engine, measured, modeled, throughput_only=True))
+    summary.update(scaling_block(cfg.scaling, engine, measured, modeled, throughput_only=True, engine_node=cfg.engine,
+                                 launcher=cfg.get("launcher")))
     summary.update(reference_fields(single))
     summary["wall_time_s"] = time.perf_counter() - started
     if engine.rank == 0:
