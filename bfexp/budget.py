@@ -40,7 +40,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bfexp import checkpoint, config, results
+from bfexp import checkpoint, results
 
 if TYPE_CHECKING:  # the driver imports this module too, and does without torch
     import torch
@@ -243,18 +243,19 @@ class MergedTail:
                  "elapsed_s": max(rec.get("elapsed_s", 0.0) for rec in seen)}]
 
 
-def metrics_tail(cfg: Any, run_dir: Path) -> Any:
-    """What the driver follows for progress: rank 0's metrics.jsonl, or (an asynchronous budget run,
-    whose ranks log on their own) the ranks' records merged by time."""
-    if config.no_lockstep(config.Settings.of(cfg), cfg.algorithm):
-        return MergedTail(run_dir, int(cfg.ranks))
+def metrics_tail(run_dir: Path, ranks: int, no_lockstep: bool) -> Any:
+    """What the driver follows for progress: rank 0's metrics.jsonl, or (``no_lockstep``: an asynchronous
+    budget run, whose ``ranks`` log on their own, bfexp.config.no_lockstep) the ranks' records merged by time."""
+    if no_lockstep:
+        return MergedTail(run_dir, int(ranks))
     return results.JsonlTail(Path(run_dir) / results.METRICS)
 
 
-def merge_records(cfg: Any, run_dir: Path, time_source: str) -> None:
-    """The driver, once the ranks ended (an asynchronous budget run): metrics.jsonl from their records."""
-    if config.no_lockstep(config.Settings.of(cfg), cfg.algorithm):
+def merge_records(run_dir: Path, ranks: int, time_source: str, no_lockstep: bool) -> None:
+    """The driver, once the ranks ended (``no_lockstep``: an asynchronous budget run): metrics.jsonl from
+    their records."""
+    if no_lockstep:
         try:
-            write_merged(run_dir, int(cfg.ranks), time_source)
+            write_merged(run_dir, int(ranks), time_source)
         except (OSError, ValueError, KeyError):  # damaged records: the job's outcome stands
             pass

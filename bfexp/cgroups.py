@@ -87,21 +87,21 @@ def remove(run_dir: Path, wait_s: float = 5.0) -> list[str]:
         time.sleep(0.1)
 
 
-def quota_of(cfg: Any) -> float | None:
-    """The job's heterogeneity.cpu_quota (None: no rank is starved of CPU)."""
-    node = cfg.get("heterogeneity") or {}
-    return node.get("cpu_quota")
+def quota_of(heterogeneity: Any) -> float | None:
+    """The job's heterogeneity.cpu_quota, from its heterogeneity node (None: no rank is starved of CPU)."""
+    return (heterogeneity or {}).get("cpu_quota")
 
 
-def check(cfg: Any) -> None:
-    """The driver, before process ranks start: a job that starves a rank needs the cpu controller."""
-    if quota_of(cfg) is not None:
+def check(heterogeneity: Any) -> None:
+    """The driver, before process ranks start: a job that starves a rank (its heterogeneity node) needs the
+    cpu controller."""
+    if quota_of(heterogeneity) is not None:
         check_available()
 
 
-def clean_up(cfg: Any, run_dir: Path) -> None:
+def clean_up(heterogeneity: Any, run_dir: Path) -> None:
     """The driver, once the job's process ranks ended (any way): its cgroups go."""
-    if quota_of(cfg) is not None:
+    if quota_of(heterogeneity) is not None:
         left = remove(run_dir)
         if left:
             print(f"bfexp: could not remove cgroup(s) {', '.join(left)}", file=sys.stderr, flush=True)

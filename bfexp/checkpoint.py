@@ -159,11 +159,11 @@ def latest(run_dir: Path, strict: bool = False) -> dict | None:
     return manifest
 
 
-def prepare(cfg: Any, run_dir: Path, total_steps: int | None = None) -> dict | None:
+def prepare(now: dict, run_dir: Path, total_steps: int | None = None) -> dict | None:
     """Ready a run folder for an attempt (a first run, a rerun or a resume); returns the checkpoint it resumes.
 
     A folder whose last attempt did not finish, with a checkpoint: refuse
-    (ConfigError, one line) a config whose EXPERIMENT differs, keep the
+    (ConfigError, one line) a job whose EXPERIMENT (``now``: ``experiment`` of its config) differs, keep the
     metrics up to its step. Otherwise start clean (a finished run run again
     into its own folder starts over). Either way the last attempt's summary,
     failures, heartbeats and stop request go.
@@ -175,7 +175,7 @@ def prepare(cfg: Any, run_dir: Path, total_steps: int | None = None) -> dict | N
     manifest = latest(run_dir, strict=True)
     step = 0
     if manifest is not None:
-        changed = differences(manifest.get("experiment", {}), experiment(cfg))
+        changed = differences(manifest.get("experiment", {}), now)
         if changed:
             raise ConfigError(f"{run_dir} has a checkpoint of another experiment: {'; '.join(changed[:3])}; "
                               f"allowed: the same {', '.join(EXPERIMENT)} (steps, timeouts and logging may change)")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bfexp import results
-from bfexp.checkpoint import CHECKPOINT_DIR, FORMAT, LATEST, STOP, experiment, latest
+from bfexp.checkpoint import CHECKPOINT_DIR, FORMAT, LATEST, STOP, latest
 from bfexp.errors import ConfigError
 
 __all__ = ["Checkpointer", "check_state"]
@@ -52,11 +52,13 @@ class Checkpointer:
     ranks stop here.
     """
 
-    def __init__(self, cfg: Any, engine: Any, run_dir: Path) -> None:
+    def __init__(self, every: int, experiment: dict, engine: Any, run_dir: Path) -> None:
+        """A checkpoint ``every`` steps (0: only when the ranks stop), each marked with the job's ``experiment``
+        (bfexp.checkpoint.experiment of its config)."""
         self.engine = engine
         self.run_dir = Path(run_dir)
-        self.every = int(cfg.get("checkpoint_every", 0) or 0)
-        self.experiment = experiment(cfg)
+        self.every = int(every or 0)
+        self.experiment = experiment
         self.step = 0  # the step of the checkpoint this run resumed from (0: none)
 
     def stop_requested(self) -> float:

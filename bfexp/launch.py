@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from bfexp import budget, cgroups, checkpoint, results, summary as summaries, watchdog
-from bfexp.config import job_kind, launcher_of
+from bfexp.config import job_kind, launcher_of, no_lockstep
 from bfexp.launchers import Launcher, Local
-from bfexp.preflight import check_engine, resolve_engine
+from bfexp.preflight import AUTO_READS, check_engine, resolve_engine
+from bfexp.schema import Settings
 from bfexp.sessions import EarlyRanks, start_ranks, terminate_session
 from bfexp.signals import SIGNALS, Signals
 from bfexp.watchdog import Watchdog, read_heartbeats, signal_stack_dumps
@@ -115,7 +116,7 @@ class ProcessRanks:
 class Supervisor:
     """The stop rules of one watch over a job's ranks, for bfexp's jobs and bfexp-run's launches alike.
 
-    * A stop signal (``signals``): a job (``job``: its config and run folder) asks its ranks to stop at
+    * A stop signal (``signals``): a job (``job``: its log_every and run folder) asks its ranks to stop at
       their next logging step and write a checkpoint, and a second signal ends them at once (``status``
       interrupted either way); without ``job`` (bfexp-run) the first signal ends them.
     * Hung ranks (the watchdog ``hangs``): ended, named with their calls (their stacks, when ``dump``,
@@ -124,7 +125,7 @@ class Supervisor:
       (``end_failed``: ends them, "a rank failed"; else leaves them to the caller).
     """
 
-    def __init__(self, hangs: Watchdog, signals: Signals | None = None, *, job: tuple[Any, Path] | None = None,
+    def __init__(self, hangs: Watchdog, signals: Signals | None = None, *, job: tuple[int, Path] | None = None,
                  failure_grace_s: float = FAILURE_GRACE_S, end_failed: bool = False, dump: bool = True,
                  stacks: str | None = "logs/rank<N>.log") -> None:
         self.hangs, self.signals, self.job = hangs, signals, job
@@ -163,11 +164,11 @@ class Supervisor:
             return f"interrupted by {name}"
         if not first:
             return f"interrupted by {name} (a second signal: ended at once)"
-        cfg, run_dir = self.job
+        log_every, run_dir = self.job
         if not (self.hangs.training_started() or (run_dir / results.METRICS).exists() or budget.logged(run_dir)):
             return f"interrupted by {name} before training started"
         checkpoint.request_stop(run_dir, f"{name} to the driver")
-        print(f"bfexp: {name}: the ranks stop at their next logging step (log_every={cfg.log_every}) and write "
+        print(f"bfexp: {name}: the ranks stop at their next logging step (log_every={log_every}) and write "
               "a checkpoint; send the signal again to end them at once", file=sys.stderr, flush=True)
         return None
 
@@ -186,20 +187,34 @@ class Supervisor:
 # ---------------------------------------------------------------- the two kinds of ranks
 
 
-def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[[dict], None] | None = None,
+@dataclass(frozen=True)
+class Job:
+    """What the watch over one job's ranks needs of it, taken from its config by ``launch``: the run's
+    settings, its engine and heterogeneity nodes, its identity (for a summary the ranks could not write), and
+    whether its ranks log on their own (bfexp.config.no_lockstep)."""
+
+    settings: Settings
+    engine: Any
+    heterogeneity: Any
+    identity: dict
+    no_lockstep: bool
+
+
+def launch_mpi(job: Job, run_dir: Path, launcher: Launcher, on_record: Callable[[dict], None] | None = None,
                early: EarlyRanks | None = None) -> JobResult:
     """Run one job on process ranks (``early``: already started, waiting for the word to go)."""
-    tail = budget.metrics_tail(cfg, run_dir)
-    hangs = Watchdog(float(cfg.timeout_s), int(cfg.ranks), lambda: read_heartbeats(run_dir), processes=True)
+    ranks_n = int(job.settings.ranks)
+    tail = budget.metrics_tail(run_dir, ranks_n, job.no_lockstep)
+    hangs = Watchdog(float(job.settings.timeout_s), ranks_n, lambda: read_heartbeats(run_dir), processes=True)
     started = time.monotonic()
     log = early.log if early is not None else open(run_dir / results.LOGS_DIR / "mpiexec.log", "wb")
     with contextlib.closing(log), SIGNALS.job() as signals:
-        supervisor = Supervisor(hangs, signals, job=(cfg, run_dir))
+        supervisor = Supervisor(hangs, signals, job=(job.settings.log_every, run_dir))
         if early is not None:
             proc = early.proc
             early.go()
         else:
-            proc = start_ranks(launcher, cfg, run_dir, log)
+            proc = start_ranks(launcher, job.engine, job.settings, run_dir, log)
         ranks = ProcessRanks(proc, run_dir)
         try:
             reason = supervisor.watch(ranks, lambda: _follow(tail, on_record))
@@ -207,13 +222,13 @@ def launch_mpi(cfg: Any, run_dir: Path, launcher: Launcher, on_record: Callable[
             ranks.end("the job is over")
             if early is not None:
                 early.close()
-            cgroups.clean_up(cfg, run_dir)  # a CPU-starved rank's cgroup: none outlives the job
+            cgroups.clean_up(job.heterogeneity, run_dir)  # a CPU-starved rank's cgroup: none outlives the job
         if reason is not None or proc.returncode != 0:
             reason = name_lost_hosts(launcher, reason, supervisor.stuck)
-            launcher.clean_up(int(cfg.ranks))
+            launcher.clean_up(ranks_n)
     _follow(tail, on_record)
-    budget.merge_records(cfg, run_dir, "measured")
-    return finish(cfg, run_dir, proc.returncode, reason, time.monotonic() - started, status=supervisor.status,
+    budget.merge_records(run_dir, ranks_n, "measured", job.no_lockstep)
+    return finish(job.identity, run_dir, proc.returncode, reason, time.monotonic() - started, status=supervisor.status,
                   stuck=supervisor.stuck, launcher=launcher)
 
 
@@ -228,24 +243,25 @@ def name_lost_hosts(launcher: Launcher, reason: str | None, stuck: list[dict] | 
     return reason + "".join(f"; host {h} does not answer ({why})" for h, why in sorted(down.items()))
 
 
-def launch_threads(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
+def launch_threads(job: Job, run_dir: Path, on_record: Callable[[dict], None] | None = None) -> JobResult:
     """Run one job as virtual ranks (bfexp.launchers.virtual), watched as process ranks are."""
     from bfexp.launchers.virtual import VirtualRanks
 
-    tail = budget.metrics_tail(cfg, run_dir)
-    ranks = VirtualRanks(cfg, run_dir)
-    hangs = Watchdog(float(cfg.timeout_s), ranks.threads, ranks.heartbeats, processes=False)
+    ranks_n = int(job.settings.ranks)
+    tail = budget.metrics_tail(run_dir, ranks_n, job.no_lockstep)
+    ranks = VirtualRanks(job.engine, ranks_n, run_dir)
+    hangs = Watchdog(float(job.settings.timeout_s), ranks.threads, ranks.heartbeats, processes=False)
     started, reason = time.monotonic(), None
     try:
         with SIGNALS.job() as signals, ranks.started():
-            supervisor = Supervisor(hangs, signals, job=(cfg, run_dir))
+            supervisor = Supervisor(hangs, signals, job=(job.settings.log_every, run_dir))
             reason = supervisor.watch(ranks, lambda: _follow(tail, on_record))
     except OSError:  # the rank logs could not be flushed (a full disk): the job's outcome stands
         pass
     _follow(tail, on_record)
-    budget.merge_records(cfg, run_dir, "simulated")
+    budget.merge_records(run_dir, ranks_n, "simulated", job.no_lockstep)
     returncode, reason, fallback = ranks.outcome(reason)
-    return finish(cfg, run_dir, returncode, reason, time.monotonic() - started, status=supervisor.status,
+    return finish(job.identity, run_dir, returncode, reason, time.monotonic() - started, status=supervisor.status,
                   stuck=supervisor.stuck, fallback=fallback)
 
 
@@ -258,10 +274,11 @@ def _follow(tail: Any, on_record: Callable[[dict], None] | None) -> None:
 # ---------------------------------------------------------------- the verdict
 
 
-def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, wall_s: float,
+def finish(identity: dict, run_dir: Path, returncode: int | None, reason: str | None, wall_s: float,
            status: str = results.FAILED, stuck: list[dict] | None = None, fallback: str | None = None,
            launcher: Launcher | None = None) -> JobResult:
-    """Decide the job's status from what the ranks left behind, and make sure summary.json says it.
+    """Decide the job's status from what the ranks left behind, and make sure summary.json says it (begun from
+    the job's ``identity`` where the ranks wrote none).
 
     ``reason``: why the driver ended the job (a signal, a hang), with the ``status`` that gives;
     ``fallback``: the failure the driver saw itself (virtual ranks) for when no rank could record one;
@@ -288,7 +305,7 @@ def finish(cfg: Any, run_dir: Path, returncode: int | None, reason: str | None, 
     manifest = checkpoint.latest(run_dir)
     if manifest:
         extra["checkpoint_step"] = manifest["step"]
-    summary = summaries.failed_summary(cfg, run_dir, error, extra, status=status)
+    summary = summaries.failed_summary(identity, run_dir, error, extra, status=status)
     return JobResult(status, run_dir, summary, returncode)
 
 
@@ -324,30 +341,41 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
     run_dir = Path(run_dir)
     if job_kind(cfg.throughput_only, cfg.scaling) == "modeled":  # a cluster that is not here: the cost model answers, no rank starts
         write_job_config(cfg, run_dir)
-        summary = summaries.modeled(cfg, run_dir)
+        summary = summaries.modeled(
+            summaries.job_identity(cfg, engine="cost model", batch_size=int(cfg.batch_size)), Settings.of(cfg), run_dir,
+            topology=cfg.topology, model=cfg.model, dataset=cfg.dataset, scaling_node=cfg.scaling,
+            algorithm=cfg.algorithm, engine=cfg.engine)
         return JobResult(summary["status"], run_dir, summary, 0)
     choice = engine_choice
     if not checked:
-        cfg, choice = resolve_engine(cfg)
+        engine, choice = resolve_engine(cfg.engine, Settings.of(cfg), **{k: cfg.get(k) for k in AUTO_READS})
+        if choice:  # engine=auto: the job runs on a copy of its config with the engine it chose
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                cfg.engine = engine
     launcher = launcher or launcher_of(cfg.get("launcher"))
     if not checked:
-        check_engine(cfg, launcher)
+        check_engine(cfg.engine, int(cfg.ranks), launcher)
     if choice:
         print(choice, flush=True)
     # A rerun of a failed job starts clean; one with a checkpoint continues from it (ConfigError when
     # the checkpoint belongs to another experiment).
-    resumed = checkpoint.prepare(cfg, run_dir, int(cfg.steps) if cfg.get("epochs") is None else None)
+    resumed = checkpoint.prepare(checkpoint.experiment(cfg), run_dir,
+                                 int(cfg.steps) if cfg.get("epochs") is None else None)
     if resumed:
         print(f"resuming from the checkpoint at step {resumed['step']} in {run_dir}", flush=True)
     with SIGNALS.job():  # a signal from here on stops the ranks; the summary is written before it can end us
         (run_dir / results.LOGS_DIR).mkdir(parents=True, exist_ok=True)
         results.reserve_space(run_dir)
         write_job_config(cfg, run_dir)
+        settings = Settings.of(cfg)
+        job = Job(settings, cfg.engine, cfg.get("heterogeneity"), summaries.job_identity(cfg),
+                  no_lockstep(settings, cfg.algorithm))
         if engine_class(cfg.engine.name).processes:  # mpi; nccl: one MPI rank per GPU, MPI only bootstraps
-            cgroups.check(cfg)
-            result = launch_mpi(cfg, run_dir, launcher, on_record, early)
+            cgroups.check(job.heterogeneity)
+            result = launch_mpi(job, run_dir, launcher, on_record, early)
         else:
-            result = launch_threads(cfg, run_dir, on_record)
+            result = launch_threads(job, run_dir, on_record)
         if choice and result.summary:
             result.summary["engine_choice"] = choice
             with contextlib.suppress(OSError):  # a full disk: the summary the job left stands

@@ -8,8 +8,10 @@ same for every engine.
 
 A logger is a component like a launcher: conf/logger/<name>.yaml names its
 class with ``_target_``, the constructor is its schema and checks its
-options (bad input: ConfigError, exit 2), and ``tracker(cfg, run_dir)`` opens
-what receives the records. A user's own logger subclasses ``Logger``.
+options (bad input: ConfigError, exit 2), and ``tracker(identity, resolved,
+run_dir)`` opens what receives the records: the job's identity (bfexp.summary.
+job_identity) names the run, ``resolved`` (the job's config as plain data, as
+written to its run folder) is what it records of the config. A user's own logger subclasses ``Logger``.
 
 wandb is an optional extra. It runs offline unless the user chose a mode
 (logger.mode or $WANDB_MODE): a run must never need a network or an
@@ -79,26 +81,24 @@ def wandb_mode(configured: str | None) -> str:
 class WandbTracker(Tracker):
     """One wandb run per job: the resolved config, every record, the summary."""
 
-    def __init__(self, logger: "Wandb", cfg: Any, run_dir: Path) -> None:
+    def __init__(self, logger: "Wandb", identity: dict, resolved: dict, run_dir: Path) -> None:
         import wandb
-        from omegaconf import OmegaConf
-
-        from bfexp.config import label
 
         sweep = sweep_dir()
         if sweep is not None:
             name, group = run_dir.name, logger.group or str(sweep)
         else:
-            name, group = f"{label(cfg.algorithm)}-{label(cfg.topology)}-x{cfg.ranks}-{run_dir.name}", logger.group
+            name = f"{identity['algorithm']}-{identity['topology']}-x{identity['ranks']}-{run_dir.name}"
+            group = logger.group
         self._finished = False
         self.run = wandb.init(
             project=logger.project,
             entity=logger.entity,
             group=group,
             name=name,
-            job_type=label(cfg.algorithm),
+            job_type=identity["algorithm"],
             tags=list(logger.tags) or None,
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=resolved,
             dir=str(run_dir),
             mode=wandb_mode(logger.mode),
             # The driver's own stdout and machine stats say nothing about training.
@@ -122,12 +122,12 @@ class TensorBoardTracker(Tracker):
     """One TensorBoard run per job, in <run dir>/tensorboard/: every record's numbers as scalars at its step,
     the resolved config as text, and at the end the summary's numbers under ``summary/`` and its status."""
 
-    def __init__(self, cfg: Any, run_dir: Path) -> None:
+    def __init__(self, resolved: dict, run_dir: Path) -> None:
         from omegaconf import OmegaConf
         from torch.utils.tensorboard import SummaryWriter  # the driver has torch by now (its dry build)
 
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
-        self.writer.add_text("config", "```\n" + OmegaConf.to_yaml(cfg, resolve=True) + "```", 0)
+        self.writer.add_text("config", "```\n" + OmegaConf.to_yaml(resolved) + "```", 0)
         self.step = 0
         self._finished = False
 
@@ -162,8 +162,9 @@ class Logger:
         """``progress``: the driver's progress display (a rich bar on a terminal, plain lines otherwise)."""
         self.progress = progress
 
-    def tracker(self, cfg: Any, run_dir: Path) -> Tracker:
-        """What receives the job's records and its summary (a do-nothing Tracker here)."""
+    def tracker(self, identity: dict, resolved: dict, run_dir: Path) -> Tracker:
+        """What receives the job's records and its summary (a do-nothing Tracker here). ``identity``: the job's
+        (bfexp.summary.job_identity); ``resolved``: its config as plain data (OmegaConf.to_container, resolved)."""
         return Tracker()
 
 
@@ -199,11 +200,11 @@ class Wandb(Logger):
         super().__init__(progress)
         self.project, self.entity, self.mode, self.group, self.tags = project, entity, mode, group, tuple(tags)
 
-    def tracker(self, cfg: Any, run_dir: Path) -> Tracker:
+    def tracker(self, identity: dict, resolved: dict, run_dir: Path) -> Tracker:
         """The job's wandb run. One that cannot start (e.g. online mode without a login) costs the job its
         tracking, not its training: one warning line, and the run goes on."""
         try:
-            return WandbTracker(self, cfg, Path(run_dir))
+            return WandbTracker(self, identity, resolved, Path(run_dir))
         except ImportError:
             raise  # the constructor checked; reaching here is a bug worth seeing
         except Exception as e:  # wandb raises its own error types for login/network problems
@@ -225,5 +226,5 @@ class TensorBoard(Logger):
             raise ConfigError(f"logger=tensorboard needs the tensorboard package; install it with: {TENSORBOARD_INSTALL}")
         super().__init__(progress)
 
-    def tracker(self, cfg: Any, run_dir: Path) -> Tracker:
-        return TensorBoardTracker(cfg, Path(run_dir))
+    def tracker(self, identity: dict, resolved: dict, run_dir: Path) -> Tracker:
+        return TensorBoardTracker(resolved, Path(run_dir))

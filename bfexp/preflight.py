@@ -9,15 +9,19 @@ environment's (LaunchError, exit 3).
 
 from __future__ import annotations
 
-from typing import Any
-
-from omegaconf import open_dict
+from typing import TYPE_CHECKING, Any
 
 from bfexp.errors import ConfigError, LaunchError
 from bfexp.launchers import Launcher, processor_slots
 
-__all__ = ["available_memory", "check_engine", "check_even", "check_memory", "choose_engine", "memory_fits", "preflight",
-           "resolve_engine", "runs_on"]
+if TYPE_CHECKING:
+    from bfexp.schema import Settings
+
+__all__ = ["AUTO_READS", "available_memory", "check_engine", "check_even", "check_memory", "choose_engine",
+           "memory_fits", "preflight", "resolve_engine", "runs_on"]
+
+# The components whose nodes engine=auto's choice reads (``choose_engine``: whether the job stacks).
+AUTO_READS = ("algorithm", "scaling", "model", "dataset", "optimizer", "heterogeneity")
 
 # Memory one rank needs besides its model: a process with torch and mpi4py imported (about 230 MB
 # resident here), or a virtual rank's thread, engine and data shard (the default experiment's 128
@@ -49,12 +53,12 @@ def _size(n: float) -> str:
     return f"{n:.3g} TiB"
 
 
-def check_memory(cfg: Any, launcher: Launcher, parameters: int, element_bytes: int) -> None:
-    """The job's memory check (``memory_fits``) from its config."""
+def check_memory(engine_node: Any, ranks: int, launcher: Launcher, parameters: int, element_bytes: int) -> None:
+    """The job's memory check (``memory_fits``): its engine node, ranks, launcher and model size."""
     from bfexp.comm import engine_class
 
-    engine = engine_class(cfg.engine)
-    ranks = int(cfg.ranks)
+    engine = engine_class(engine_node)
+    ranks = int(ranks)
     here = ranks if not engine.processes else launcher.ranks_per_host(ranks)
     memory_fits(engine, ranks, here, parameters * element_bytes)
 
@@ -81,9 +85,9 @@ def memory_fits(engine: Any, ranks: int, here: int, model_bytes: int) -> None:
                       f"allowed: {allowed}")
 
 
-def check_engine(cfg: Any, launcher: Launcher) -> None:
-    """The job's preflight (``preflight``) from its config."""
-    preflight(cfg.engine, int(cfg.ranks), launcher, int(cfg.engine.ranks_per_machine or 0))
+def check_engine(engine_node: Any, ranks: int, launcher: Launcher) -> None:
+    """The job's preflight (``preflight``) from its engine node, ranks and launcher."""
+    preflight(engine_node, int(ranks), launcher, int(engine_node.ranks_per_machine or 0))
 
 
 def preflight(engine_spec: Any, ranks: int, launcher: Launcher, ranks_per_machine: int = 0) -> None:
@@ -116,16 +120,20 @@ def check_even(ranks: int, launcher: Launcher) -> None:
                           "engine.ranks_per_machine to emulate machines")
 
 
-def choose_engine(cfg: Any) -> tuple[str, str]:
+def choose_engine(engine: Any, settings: Settings, *, algorithm: Any, scaling: Any, model: Any, dataset: Any,
+                  optimizer: Any, heterogeneity: Any) -> tuple[str, str]:
     """engine=auto: (engine, why), among the shipped engines by their facts (bfexp.comm.shipped_engine): the GPU one
     (nccl) when every rank has its own GPU; else the CPU one whose ranks are processes (mpi) while ranks <=
     processor slots x slots_factor; else the stacked one when the job stacks (bfexp.comm.stacked.check_job),
-    else virtual ranks as threads."""
+    else virtual ranks as threads. ``engine``: auto's node; ``settings``: the run's; then the nodes of the
+    components that decide whether the job stacks."""
     import importlib.util
 
     from bfexp.comm import engine_class, shipped_engine
 
-    ranks, engine = cfg.ranks, cfg.engine
+    ranks = settings.ranks
+    parts = dict(algorithm=algorithm, scaling=scaling, model=model, dataset=dataset, optimizer=optimizer,
+                 heterogeneity=heterogeneity)
     gpu_note = ""
     gpu, processes = shipped_engine("gpu"), shipped_engine("processes")
     if gpu is not None and importlib.util.find_spec("cupy") is not None:  # no CuPy: no GPU probe, no torch import
@@ -138,66 +146,70 @@ def choose_engine(cfg: Any) -> tuple[str, str]:
     if ranks <= slots * factor:
         return processes, f"ranks={ranks} fit {limit}{gpu_note}"
     threads = shipped_engine("threads")
-    if threads is None or not runs_on(cfg, threads):
+    if threads is None or not runs_on(algorithm, threads, settings.throughput_only, scaling.modeled):
         return processes, f"ranks={ranks} exceed {limit}, but this algorithm needs a process per rank{gpu_note}"
-    not_stacked = stacking_refusal(cfg)
+    not_stacked = stacking_refusal(settings, **parts)
     if not_stacked is None:
         return shipped_engine("stacked"), (f"ranks={ranks} exceed {limit}, and the job stacks into one batched "
                                            f"program{gpu_note}")
     return threads, f"ranks={ranks} exceed {limit}; not stacked: {not_stacked}{gpu_note}"
 
 
-def stacking_refusal(cfg: Any) -> str | None:
+def stacking_refusal(settings: Settings, *, algorithm: Any, scaling: Any, model: Any, dataset: Any, optimizer: Any,
+                     heterogeneity: Any) -> str | None:
     """Why engine=stacked cannot run the job (its first refusal, one line), or None: what engine=auto asks
-    before it picks virtual ranks as threads."""
+    before it picks virtual ranks as threads. The run's settings, then its components' nodes."""
     from bfexp.comm import engine_class, shipped_engine
 
     stacked = shipped_engine("stacked")
     if stacked is None:
         return "no stacked engine is shipped"
-    if not runs_on(cfg, stacked):
+    if not runs_on(algorithm, stacked, settings.throughput_only, scaling.modeled):
         from bfexp.config import label
 
-        return f"algorithm={label(cfg.algorithm)} is not stackable"
+        return f"algorithm={label(algorithm)} is not stackable"
     try:
         from bfexp.comm.stacked import check_job
         from bfexp.config import build
         from bfexp.models import sample_shape
 
         engine_class(stacked)
-        in_shape, classes = sample_shape(cfg.model, build(cfg.dataset, "dataset"))
-        check_job(cfg, in_shape, classes)
+        in_shape, classes = sample_shape(model, build(dataset, "dataset"))
+        check_job(settings, in_shape, classes, model=model, optimizer=optimizer, dataset=dataset,
+                  heterogeneity=heterogeneity)
     except ConfigError as e:
         return str(e)
     from bfexp.comm.stacked import threads_as_fast
 
-    return threads_as_fast(cfg, in_shape, classes)
+    return threads_as_fast(model, in_shape, classes)
 
 
-def runs_on(cfg: Any, engine: Any) -> bool:
-    """Whether the job's algorithm can run on an engine (a name, class path or node: bfexp.comm.engine_class;
-    ddp needs one process per rank)."""
+def runs_on(algorithm: Any, engine: Any, throughput_only: bool = False, modeled: bool = False) -> bool:
+    """Whether the job's algorithm (its node) can run on an engine (a name, class path or node:
+    bfexp.comm.engine_class; ddp needs one process per rank), in a ``throughput_only`` job on a ``modeled``
+    cluster or not."""
     from bfexp.comm import engine_class
     from bfexp.config import target_of
 
     try:
-        target_of(cfg.algorithm, "algorithm").check_run(
-            engine_class(engine), throughput_only=bool(cfg.throughput_only), modeled=bool(cfg.scaling.modeled))
+        target_of(algorithm, "algorithm").check_run(
+            engine_class(engine), throughput_only=bool(throughput_only), modeled=bool(modeled))
     except ConfigError:
         return False
     return True
 
 
-def resolve_engine(cfg: Any) -> tuple[Any, str | None]:
-    """engine=auto: a copy of cfg running the engine it chooses, and the sentence saying why."""
+def resolve_engine(engine: Any, settings: Settings, *, algorithm: Any, scaling: Any, model: Any, dataset: Any,
+                   optimizer: Any, heterogeneity: Any) -> tuple[Any, str | None]:
+    """engine=auto: the node of the engine it chooses (``choose_engine``'s arguments), and the sentence saying
+    why; any other engine: its own node, and None. The caller (an entry point) runs the job on a copy of its
+    config holding the chosen node. ``AUTO_READS``: the components whose nodes it takes."""
     from bfexp.comm import Auto
 
-    if cfg.engine.name != Auto.name:
-        return cfg, None
+    if engine.name != Auto.name:
+        return engine, None
     from bfexp.config import engine_config
 
-    name, why = choose_engine(cfg)
-    out = cfg.copy()
-    with open_dict(out):
-        out.engine = engine_config(cfg.engine, name)
-    return out, f"engine=auto chose {name}: {why}"
+    name, why = choose_engine(engine, settings, algorithm=algorithm, scaling=scaling, model=model, dataset=dataset,
+                              optimizer=optimizer, heterogeneity=heterogeneity)
+    return engine_config(engine, name), f"engine=auto chose {name}: {why}"

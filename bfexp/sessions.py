@@ -20,11 +20,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import IO, TYPE_CHECKING, Any, Sequence
 
 from bfexp import results, watchdog
 from bfexp.launchers import TIMEOUT_VARIABLE, Launcher, processor_slots
 from bfexp.preflight import PROCESS_RANK_BYTES, available_memory
+
+if TYPE_CHECKING:
+    from bfexp.schema import Settings
 
 __all__ = ["EarlyRanks", "launcher_command", "launcher_environment", "rank_environment", "session_processes",
            "start_process_ranks", "start_ranks", "terminate_session", "worker_command"]
@@ -66,11 +69,13 @@ def worker_command(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "mpi4py", "-m", "bfexp.worker", str(run_dir)]
 
 
-def launcher_command(launcher: Launcher, cfg: Any, program: list[str], env: dict[str, str] | None = None) -> list[str]:
-    """The command that starts the job's ranks, each running ``program``, as ``launcher`` spells it; ``env``:
-    the ranks' environment, which it carries to other machines (Launcher.forward_environment)."""
-    args = [str(a) for a in cfg.engine.get("mpiexec_args", [])]
-    return launcher.command(int(cfg.ranks), program, [*launcher.forward_environment(env or {}), *args])
+def launcher_command(launcher: Launcher, engine: Any, ranks: int, program: list[str],
+                     env: dict[str, str] | None = None) -> list[str]:
+    """The command that starts the job's ``ranks``, each running ``program``, as ``launcher`` spells it (with
+    the engine node's mpiexec_args); ``env``: the ranks' environment, which it carries to other machines
+    (Launcher.forward_environment)."""
+    args = [str(a) for a in engine.get("mpiexec_args", [])]
+    return launcher.command(int(ranks), program, [*launcher.forward_environment(env or {}), *args])
 
 
 def launcher_environment(launcher: Launcher, ranks: int, timeout_s: float = 0.0) -> dict[str, str]:
@@ -94,12 +99,13 @@ def start_process_ranks(launcher: Launcher, ranks: int, program: Sequence[str], 
                             start_new_session=True)  # one session holds mpiexec and every rank it starts
 
 
-def start_ranks(launcher: Launcher, cfg: Any, run_dir: Path, log: IO[bytes],
+def start_ranks(launcher: Launcher, engine: Any, settings: Settings, run_dir: Path, log: IO[bytes],
                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    """The launcher's command starting the job's ranks in a session of its own, its output into ``log``."""
-    env = launcher_environment(launcher, int(cfg.ranks), float(cfg.get("timeout_s", 0) or 0)) | (env or {})
-    args = [str(a) for a in cfg.engine.get("mpiexec_args", [])]
-    return start_process_ranks(launcher, int(cfg.ranks), worker_command(run_dir), env, log, mpiexec_args=args)
+    """The launcher's command starting the job's ranks (``settings.ranks``, the engine node's mpiexec_args) in
+    a session of its own, its output into ``log``."""
+    env = launcher_environment(launcher, int(settings.ranks), float(settings.timeout_s or 0)) | (env or {})
+    args = [str(a) for a in engine.get("mpiexec_args", [])]
+    return start_process_ranks(launcher, int(settings.ranks), worker_command(run_dir), env, log, mpiexec_args=args)
 
 
 def session_processes(sid: int) -> list[int]:
@@ -152,7 +158,7 @@ class EarlyRanks:
     leave. Local launcher only (the ranks watch the driver's pid).
     """
 
-    def __init__(self, cfg: Any, run_dir: Path, launcher: Launcher) -> None:
+    def __init__(self, engine: Any, settings: Settings, run_dir: Path, launcher: Launcher) -> None:
         self.run_dir = Path(run_dir)
         logs = self.run_dir / results.LOGS_DIR
         self._made_logs = not logs.exists()
@@ -161,12 +167,13 @@ class EarlyRanks:
         self.gate = self._gate_dir / "gate"
         self.log = open(logs / "mpiexec.log", "wb")
         self.taken = False
-        self.proc = start_ranks(launcher, cfg, self.run_dir, self.log, {watchdog.GATE: str(self.gate)})
+        self.proc = start_ranks(launcher, engine, settings, self.run_dir, self.log, {watchdog.GATE: str(self.gate)})
 
     @staticmethod
-    def wanted(cfg: Any, launcher: Launcher) -> bool:
-        """Worth it and safe: process ranks on this machine, with torch's import still ahead of the driver,
-        a processor slot left for the driver beside every rank, and memory for them twice over.
+    def wanted(engine: Any, ranks: int, launcher: Launcher) -> bool:
+        """Worth it and safe (the job's engine node, its ``ranks``): process ranks on this machine, with torch's
+        import still ahead of the driver, a processor slot left for the driver beside every rank, and memory for
+        them twice over.
 
         With a slot of its own the driver's checks run at full speed beside the ranks' start-up, so a job
         ends sooner by about torch's import (1-rank job on 2 slots: 3.0-3.2 s instead of 4.0-4.3 s) and a
@@ -177,9 +184,9 @@ class EarlyRanks:
         """
         from bfexp.comm import PROCESS_ENGINES
 
-        if cfg.engine.name not in PROCESS_ENGINES or not launcher.on_this_machine or "torch" in sys.modules:
+        if engine.name not in PROCESS_ENGINES or not launcher.on_this_machine or "torch" in sys.modules:
             return False
-        ranks, memory = int(cfg.ranks), available_memory()
+        ranks, memory = int(ranks), available_memory()
         return ranks < processor_slots() and memory is not None and ranks * PROCESS_RANK_BYTES * 2 <= memory
 
     def go(self) -> None:

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 
 from bfexp import config, costmodel, results, scaling
-from bfexp.config import job_kind, launcher_of
+from bfexp.config import launcher_of
+from bfexp.schema import Settings
 
 __all__ = ["compute_speed", "failed_summary", "job_identity", "machine_layout", "modeled", "modeled_block",
            "reference_fields", "scaling_block", "topology_ranks_per_machine"]
@@ -40,9 +41,11 @@ def job_identity(cfg: Any, **actual: Any) -> dict:
     return results.identity(**values)
 
 
-def failed_summary(cfg: Any, run_dir: Path, error: str, extra: dict | None = None, status: str = results.FAILED) -> dict:
-    """A summary for a job that did not finish (failed or interrupted), keeping what rank 0 had logged."""
-    summary = results.read_json(run_dir / results.SUMMARY) or job_identity(cfg)
+def failed_summary(identity: dict, run_dir: Path, error: str, extra: dict | None = None,
+                   status: str = results.FAILED) -> dict:
+    """A summary for a job that did not finish (failed or interrupted), keeping what rank 0 had logged; without
+    one, the job's ``identity`` (``job_identity``) to begin with."""
+    summary = results.read_json(run_dir / results.SUMMARY) or dict(identity)
     records = results.read_jsonl(run_dir / results.METRICS)
     if records:
         last = records[-1]
@@ -64,10 +67,11 @@ def reference_fields(single: dict) -> dict:
     return out
 
 
-def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, topology: Any,
-                  speed: scaling.Spread | None, source: str, ranks_per_machine: int = 0,
-                  step_times: Sequence[float] = ()) -> dict | None:
-    """The cost model's figures for this job on the scaling config's cluster; None without a compute speed.
+def modeled_block(scaling_node: Any, algorithm_node: Any, batch: int, ranks: int, param_count: int,
+                  element_bytes: int, topology: Any, speed: scaling.Spread | None, source: str,
+                  ranks_per_machine: int = 0, step_times: Sequence[float] = ()) -> dict | None:
+    """The cost model's figures for this job (its scaling and algorithm nodes, ``batch`` samples per rank and
+    step) on the scaling config's cluster; None without a compute speed.
     ``ranks_per_machine``: where the ranks ran, for a scaling config of this machine (modeled=false)
     that leaves its machines to the run. ``step_times``: the single-rank reference's step times, whose
     spread prices the wait for the slowest rank where scaling.straggler_wait asks (a measured speed only)."""
@@ -75,22 +79,22 @@ def modeled_block(cfg: Any, ranks: int, param_count: int, element_bytes: int, to
 
     if not speed:
         return None
-    where = cfg.scaling
-    if ranks_per_machine and not cfg.scaling.modeled and not cfg.scaling.ranks_per_machine:
-        where = {**OmegaConf.to_container(cfg.scaling, resolve=True), "ranks_per_machine": ranks_per_machine}
-    algorithm = config.target_of(cfg.algorithm, "algorithm")
-    options = config.node_options(cfg.algorithm)
+    where = scaling_node
+    if ranks_per_machine and not scaling_node.modeled and not scaling_node.ranks_per_machine:
+        where = {**OmegaConf.to_container(scaling_node, resolve=True), "ranks_per_machine": ranks_per_machine}
+    algorithm = config.target_of(algorithm_node, "algorithm")
+    options = config.node_options(algorithm_node)
     traffic, period = algorithm.traffic_of(**options), int(options.get("communication_period", 1))
     wait_s = baseline_wait_s = 0.0
-    if cfg.scaling.get("straggler_wait") and source != "declared" and step_times:
+    if scaling_node.get("straggler_wait") and source != "declared" and step_times:
         if not algorithm.asynchronous:  # its ranks never wait for one another
             wait_s = costmodel.straggler_wait_s(step_times, traffic, ranks, topology, period)
         baseline_wait_s = costmodel.straggler_wait_s(step_times, Allreduce.traffic, ranks)
     return scaling.modeled_figures(
         scaling.cluster(where), traffic=traffic, baseline=Allreduce.traffic,
         overlap=bool(options.get("overlap", True)), period=period,
-        ranks=ranks, batch=int(cfg.batch_size), param_count=param_count, element_bytes=element_bytes,
-        topology=topology, backward_fraction=float(cfg.scaling.backward_fraction),
+        ranks=ranks, batch=int(batch), param_count=param_count, element_bytes=element_bytes,
+        topology=topology, backward_fraction=float(scaling_node.backward_fraction),
         single=speed, compute_source=source,
         buckets=bucket_count(algorithm, options, param_count * element_bytes),
         baseline_buckets=bucket_count(Allreduce, {}, param_count * element_bytes),
@@ -109,32 +113,34 @@ def bucket_count(algorithm: type, options: dict, param_bytes: int) -> int:
     return max(1, math.ceil(param_bytes / bucket_bytes))
 
 
-def compute_speed(cfg: Any, measured: scaling.Spread | None) -> tuple[scaling.Spread | None, str]:
-    """One rank's samples/s for the cost model: the scaling config's declared figure, else the measured one."""
-    declared = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+def compute_speed(scaling_node: Any, model: Any, measured: scaling.Spread | None) -> tuple[scaling.Spread | None, str]:
+    """One rank's samples/s for the cost model: the scaling config's declared figure for the model (its node),
+    else the measured one."""
+    declared = scaling.declared_speed(scaling_node, config.label(model))
     return (scaling.Spread.exact(declared), "declared") if declared else (measured, "measured here")
 
 
-def machine_layout(cfg: Any, engine: Any) -> dict:
+def machine_layout(engine_node: Any, engine: Any) -> dict:
     """Where the ranks ran: machines, ranks on each, and how that was known (detected from
     MPI's shared-memory split, emulated with engine.ranks_per_machine, or threads of one process)."""
-    source = getattr(engine, "layout_source", "emulated" if cfg.engine.ranks_per_machine else "one process")
+    source = getattr(engine, "layout_source", "emulated" if engine_node.ranks_per_machine else "one process")
     return {"run_machines": engine.machines, "run_ranks_per_machine": engine.local_size, "machine_layout": source}
 
 
-def scaling_block(cfg: Any, engine: Any | None, measured: dict | None, modeled: dict | None, *,
-                  throughput_only: bool) -> dict:
-    """The summary's scaling part: headline figures, their source, the cluster and the contention note."""
+def scaling_block(scaling_node: Any, engine: Any | None, measured: dict | None, modeled: dict | None, *,
+                  throughput_only: bool, engine_node: Any = None, launcher: Any = None) -> dict:
+    """The summary's scaling part: headline figures, their source, the cluster and the contention note.
+    With the ranks' ``engine``: its node (``engine_node``) and the job's launcher node (``launcher``)."""
     virtual = bool(engine is not None and engine.virtual)
-    source = scaling.time_source(virtual=virtual, modeled_cluster=bool(cfg.scaling.modeled),
+    source = scaling.time_source(virtual=virtual, modeled_cluster=bool(scaling_node.modeled),
                                  throughput_only=throughput_only)
     out = scaling.headline(measured, modeled, source)
-    out["scaling"] = str(cfg.scaling.name)
+    out["scaling"] = str(scaling_node.name)
     if engine is not None:
-        out.update(machine_layout(cfg, engine))
+        out.update(machine_layout(engine_node, engine))
         cores = scaling.processor_count()
         out["cores"] = cores
-        facts = {} if engine.virtual else launcher_of(cfg.get("launcher")).facts(engine.size)
+        facts = {} if engine.virtual else launcher_of(launcher).facts(engine.size)
         out.update(facts)
         # the ranks that share one machine's cores: across machines, those of a machine
         sharing = engine.local_size if engine.machines > 1 else engine.size
@@ -145,45 +151,50 @@ def scaling_block(cfg: Any, engine: Any | None, measured: dict | None, modeled: 
     return out
 
 
-def topology_ranks_per_machine(cfg: Any) -> int:
+def topology_ranks_per_machine(engine_node: Any, ranks: int, *, modeled: bool, scaling_node: Any = None,
+                               launcher: Any = None) -> int:
     """How ranks sit on machines for the topology: the engine's layout (engine.ranks_per_machine, else the
-    machines a launcher across machines places them on, as the ranks will detect), and for a modeled
-    cluster the scaling config's machines (0 = one machine)."""
-    rpm = int(cfg.engine.ranks_per_machine)
-    if job_kind(cfg.throughput_only, cfg.scaling) == "modeled":
-        rpm = rpm or int(cfg.scaling.ranks_per_machine)
-        return 0 if rpm >= int(cfg.ranks) else rpm
+    machines a launcher across machines (its node: ``launcher``) places them on, as the ranks will detect),
+    and for a ``modeled`` cluster the scaling config's machines (0 = one machine)."""
+    rpm = int(engine_node.ranks_per_machine)
+    if modeled:
+        rpm = rpm or int(scaling_node.ranks_per_machine)
+        return 0 if rpm >= int(ranks) else rpm
     from bfexp.comm import PROCESS_ENGINES
 
-    if not rpm and cfg.engine.name in PROCESS_ENGINES:
-        launcher = launcher_of(cfg.get("launcher"))
-        placed = [] if launcher.on_this_machine else launcher.hosts(int(cfg.ranks))
+    if not rpm and engine_node.name in PROCESS_ENGINES:
+        launcher = launcher_of(launcher)
+        placed = [] if launcher.on_this_machine else launcher.hosts(int(ranks))
         rpm = placed[0][1] if len(placed) > 1 else 0
     return rpm
 
 
-def modeled(cfg: Any, run_dir: Path) -> dict:
+def modeled(identity: dict, settings: Settings, run_dir: Path, *, topology: Any, model: Any, dataset: Any,
+            scaling_node: Any, algorithm: Any, engine: Any) -> dict:
     """Throughput-only on a modeled cluster: no ranks start. Parameter sizes come from
-    the model built on torch's meta device, compute speed from the scaling config."""
+    the model built on torch's meta device, compute speed from the scaling config. ``identity``: the job's
+    (``job_identity``; its topology is the one built here), ``settings``: the run's; then the components' nodes."""
     import torch
 
     from bfexp.models import parameter_count, sample_shape
     from bfexp.topology import build_topology
 
     started = time.perf_counter()
-    ranks = int(cfg.ranks)
-    topology = build_topology(cfg.topology, ranks, topology_ranks_per_machine(cfg))
-    in_shape, classes = sample_shape(cfg.model, config.build(cfg.dataset, "dataset"))
-    speed = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+    ranks = int(settings.ranks)
+    graph = build_topology(topology, ranks, topology_ranks_per_machine(engine, ranks, modeled=True,
+                                                                       scaling_node=scaling_node))
+    in_shape, classes = sample_shape(model, config.build(dataset, "dataset"))
+    speed = scaling.declared_speed(scaling_node, config.label(model))
     if not speed:
-        raise config.ConfigError(scaling.missing_speed_message(cfg.scaling, config.label(cfg.model)))
-    count = parameter_count(cfg.model, in_shape, classes)
-    summary = job_identity(cfg, topology=topology.name, engine="cost model", batch_size=int(cfg.batch_size))
+        raise config.ConfigError(scaling.missing_speed_message(scaling_node, config.label(model)))
+    count = parameter_count(model, in_shape, classes)
+    summary = {**identity, "topology": graph.name}
     summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
-    element_bytes = getattr(torch, str(cfg.dtype)).itemsize
+    element_bytes = getattr(torch, str(settings.dtype)).itemsize
     summary.update(scaling_block(
-        cfg, None, None,
-        modeled_block(cfg, ranks, count, element_bytes, topology, scaling.Spread.exact(speed), "declared"),
+        scaling_node, None, None,
+        modeled_block(scaling_node, algorithm, int(settings.batch_size), ranks, count, element_bytes, graph,
+                      scaling.Spread.exact(speed), "declared"),
         throughput_only=True,
     ))
     summary["wall_time_s"] = time.perf_counter() - started

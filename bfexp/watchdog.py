@@ -405,11 +405,13 @@ def thread_stacks(dump: str) -> dict[int, str]:
 # ---------------------------------------------------------------- injected faults
 
 
-def at_step(cfg: Any, engine: Any, step: int) -> None:
-    """Before ``step``: record progress; run the injected fault when this rank and step are the chosen ones."""
+def at_step(engine: Any, step: int, fail_rank: int | None = None, fail_step: int | None = None,
+            fail_mode: str = "raise") -> None:
+    """Before ``step``: record progress; run the injected fault (``fail_mode``) when this rank and step are the
+    chosen ones (``fail_rank``, ``fail_step``)."""
     beat(step - 1)
-    if cfg.get("fail_rank") == engine.rank and step == cfg.get("fail_step"):
-        inject(str(cfg.get("fail_mode", "raise")), engine, step)
+    if fail_rank == engine.rank and step == fail_step:
+        inject(str(fail_mode), engine, step)
 
 
 def inject(mode: str, engine: Any, step: int) -> None:

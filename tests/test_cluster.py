@@ -140,7 +140,7 @@ def rank_command(launcher_node: dict, ranks: int = 16) -> list[str]:
     from bfexp.sessions import launcher_command, worker_command
 
     cfg = OmegaConf.create({"ranks": ranks, "engine": {"name": "mpi", "mpiexec_args": []}, "launcher": launcher_node})
-    return launcher_command(launcher_of(cfg.get("launcher")), cfg, worker_command("RUN"))
+    return launcher_command(launcher_of(cfg.get("launcher")), cfg.engine, int(cfg.ranks), worker_command("RUN"))
 
 
 @pytest.mark.skipif(shutil.which("srun") is None, reason="needs Slurm's srun on PATH (.ci/run brings a local Slurm up)")

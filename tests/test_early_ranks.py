@@ -98,11 +98,12 @@ import sys, time
 from hydra import compose, initialize_config_module
 from bfexp.config import register_configs
 from bfexp.config import launcher_of
+from bfexp.schema import Settings
 from bfexp.sessions import EarlyRanks
 register_configs()
 with initialize_config_module(config_module="bfexp.conf", version_base=None):
     cfg = compose(config_name="config", overrides=["engine=mpi", "ranks=3"])
-early = EarlyRanks(cfg, sys.argv[1], launcher_of(cfg.get("launcher")))
+early = EarlyRanks(cfg.engine, Settings.of(cfg), sys.argv[1], launcher_of(cfg.get("launcher")))
 print(early.proc.pid, early.gate, flush=True)
 time.sleep(120)
 """
@@ -117,12 +118,13 @@ def test_waiting_ranks_end_when_cancelled_or_when_the_driver_dies(tmp_path, how)
         from hydra import compose, initialize_config_module
 
         from bfexp.config import launcher_of, register_configs
+        from bfexp.schema import Settings
         from bfexp.sessions import EarlyRanks
 
         register_configs()
         with initialize_config_module(config_module="bfexp.conf", version_base=None):
             cfg = compose(config_name="config", overrides=["engine=mpi", "ranks=3"])
-        early = EarlyRanks(cfg, run_dir, launcher_of(cfg.get("launcher")))
+        early = EarlyRanks(cfg.engine, Settings.of(cfg), run_dir, launcher_of(cfg.get("launcher")))
         marker = str(early.gate)
         deadline = time.monotonic() + 60
         while len(gate_processes(marker)) < 4 and time.monotonic() < deadline:  # mpiexec + 3 ranks
@@ -189,7 +191,7 @@ def test_ranks_start_early_only_beside_a_free_slot_for_the_driver(monkeypatch):
             return compose(config_name="config", overrides=list(overrides))
 
     def wanted(job) -> bool:
-        return EarlyRanks.wanted(job, launcher_of(job.get("launcher")))
+        return EarlyRanks.wanted(job.engine, int(job.ranks), launcher_of(job.get("launcher")))
 
     slots = processor_slots()
     assert not wanted(cfg("engine=mpi", "ranks=1"))  # torch is loaded in this process

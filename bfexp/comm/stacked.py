@@ -55,7 +55,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ from bfexp.comm.declarations import Declaration, GatherDeclaration, MachineDecla
 from bfexp.comm.engine import Call, Engine, Handle, NeighborSpec, Pending, TensorOrList, Window
 from bfexp.comm.engine import check_float, local_size_for, recorded, work_dtype
 from bfexp.errors import ConfigError, RankAborted, number_in
+
+if TYPE_CHECKING:
+    from bfexp.schema import Settings
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "STACKABLE_ALGORITHMS", "StackedData", "StackedEngine", "StackedModel",
            "StackedSampler", "check_job", "check_stackable_model", "freed_memory_kept", "job_refusal"]
@@ -779,8 +782,9 @@ class StackedSampler:
 # ---------------------------------------------------------------- what a job may ask of it
 
 
-def job_refusal(cfg: Any) -> str | None:
-    """Why engine=stacked cannot run this job (one line, naming what to use instead), or None.
+def job_refusal(settings: Settings, dataset: Any, heterogeneity: Any) -> str | None:
+    """Why engine=stacked cannot run this job (the run's settings, its dataset and heterogeneity nodes; one
+    line, naming what to use instead), or None.
 
     What it cannot stack: a rule not stated ``stackable`` (checked by the algorithm's own check_run), an
     optimizer that is not elementwise, a model with batch-coupled layers or a forward that does not
@@ -788,50 +792,50 @@ def job_refusal(cfg: Any) -> str | None:
     throughput-only jobs, time budgets, checkpoints, fault injection; language models (a data set of tokens)."""
     from bfexp import components
 
-    dataset = cfg.get("dataset")
     if dataset is not None and getattr(components.target_of(dataset, "dataset"), "tokens", False):
         return ("engine=stacked batches classifiers over ranks, not language models (a score per position); "
                 "allowed: engine=threads or engine=mpi for a data set of tokens")
-    if cfg.get("throughput_only"):
+    if settings.throughput_only:
         return "engine=stacked times training steps of every rank at once; allowed: throughput_only=false, or engine=threads"
-    heterogeneity = cfg.get("heterogeneity")
     if heterogeneity is not None and components.build(heterogeneity, "heterogeneity").active:
         return ("engine=stacked steps every rank in lock step, so it has no stragglers; allowed: heterogeneity=none, "
                 "or engine=threads")
-    if cfg.get("budget_s") is not None:
+    if settings.budget_s is not None:
         return "engine=stacked trains for a step count, not a time budget; allowed: budget_s=null, or engine=threads"
-    if cfg.get("checkpoint_every"):
+    if settings.checkpoint_every:
         return "engine=stacked keeps no checkpoints yet; allowed: checkpoint_every=null, or engine=threads"
-    if cfg.get("fail_rank") is not None:
+    if settings.fail_rank is not None:
         return "engine=stacked has no rank of its own to fail; allowed: fail_rank=null, or engine=threads"
     return None
 
 
-def threads_as_fast(cfg: Any, in_shape: tuple[int, ...], classes: int) -> str | None:
-    """Why engine=auto leaves a job that stacks to threads, or None: a model with convolutions, whose
+def threads_as_fast(model: Any, in_shape: tuple[int, ...], classes: int) -> str | None:
+    """Why engine=auto leaves a job that stacks to threads, or None: a model (its node) with convolutions, whose
     compute dominates a rank's step either way (the cnn at 128 ranks on MNIST: 1.1-1.5 s of CPU a training
     step stacked, a few ranks at a time, against 0.9 s for its ranks' own steps one after another here)."""
     from bfexp.models import on_meta
 
     convolutions = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.LazyConv1d, torch.nn.LazyConv2d,
                     torch.nn.LazyConv3d)
-    if any(isinstance(m, convolutions) for m in on_meta(cfg.model, in_shape, classes).modules()):
+    if any(isinstance(m, convolutions) for m in on_meta(model, in_shape, classes).modules()):
         return "a convolutional model runs as fast on threads (its convolutions dominate either way)"
     return None
 
 
-def check_job(cfg: Any, in_shape: tuple[int, ...], classes: int) -> None:
+def check_job(settings: Settings, in_shape: tuple[int, ...], classes: int, *, model: Any, optimizer: Any,
+              dataset: Any, heterogeneity: Any) -> None:
     """The driver's check of an engine=stacked job before any rank starts (the algorithm's own check_run
-    has refused a rule that is not stackable): ConfigError, one line, for what cannot be stacked."""
+    has refused a rule that is not stackable): ConfigError, one line, for what cannot be stacked. The run's
+    settings, the samples' shape and classes, then the components' nodes."""
     from bfexp import components
     from bfexp.models import CPU_CHECK_PARAMETERS, build_model, on_meta
 
-    why = job_refusal(cfg)
+    why = job_refusal(settings, dataset, heterogeneity)
     if why:
         raise ConfigError(why)
-    check_optimizer(components.target_of(cfg.optimizer, "optimizer"))
-    sized = on_meta(cfg.model, in_shape, classes)  # its layers and size, nothing allocated
+    check_optimizer(components.target_of(optimizer, "optimizer"))
+    sized = on_meta(model, in_shape, classes)  # its layers and size, nothing allocated
     check_stackable_model(sized)
     if sum(p.numel() for p in sized.parameters() if not isinstance(p, torch.nn.parameter.UninitializedParameter)) \
             <= CPU_CHECK_PARAMETERS:
-        check_stackable_forward(build_model(cfg.model, in_shape, classes, 0), in_shape)
+        check_stackable_forward(build_model(model, in_shape, classes, 0), in_shape)

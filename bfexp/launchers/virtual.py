@@ -55,19 +55,20 @@ class ThreadRanks:
 class VirtualRanks(ThreadRanks):
     """One job's virtual ranks: the engine and world its config names, started by ``started``."""
 
-    def __init__(self, cfg: Any, run_dir: Path) -> None:
+    def __init__(self, engine_node: Any, ranks: int, run_dir: Path) -> None:
+        """The job's ``ranks`` on the engine its node (``engine_node``) names."""
         from bfexp.comm import engine_class
         from bfexp.comm.threads import ThreadWorld
 
-        self.cfg, run_dir = cfg, Path(run_dir)
-        timeline_dir = run_dir / "timeline" if cfg.engine.get("timeline", False) else None
-        node = {**OmegaConf.to_container(cfg.engine, resolve=True), "_partial_": True}
+        run_dir = Path(run_dir)
+        timeline_dir = run_dir / "timeline" if engine_node.get("timeline", False) else None
+        node = {**OmegaConf.to_container(engine_node, resolve=True), "_partial_": True}
         # engine=stacked: ONE thread runs every rank as one batched program, supervised as a world of one
         # virtual rank; its engine holds the job's ranks.
-        self.stacked = engine_class(cfg.engine.name).stacked
-        self.threads = 1 if self.stacked else int(cfg.ranks)
-        engine = config.build(node, "engine", **({"size": int(cfg.ranks)} if self.stacked else {}))  # (world, rank)
-        world = ThreadWorld(self.threads, 0 if self.stacked else cfg.engine.ranks_per_machine,
+        self.stacked = engine_class(engine_node.name).stacked
+        self.threads = 1 if self.stacked else int(ranks)
+        engine = config.build(node, "engine", **({"size": int(ranks)} if self.stacked else {}))  # (world, rank)
+        world = ThreadWorld(self.threads, 0 if self.stacked else engine_node.ranks_per_machine,
                             timeline_dir=timeline_dir, engine=engine)
         super().__init__(world, run_dir)
 

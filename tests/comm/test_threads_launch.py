@@ -9,7 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from bfexp.launchers import processor_slots
-from bfexp.preflight import choose_engine
+from bfexp.preflight import AUTO_READS, choose_engine
+from bfexp.schema import Settings
 from tests.conftest import BFEXP
 
 
@@ -83,7 +84,8 @@ def auto(ranks: int, factor: float, algorithm: str = "dsgd", *more: str):
     (10**6, 1.0, "ddp", [], "mpi"),  # torch.distributed needs a process per rank
 ])
 def test_auto_choice(ranks, factor, algorithm, more, engine):
-    chosen, why = choose_engine(auto(ranks, factor, algorithm, *more))
+    job = auto(ranks, factor, algorithm, *more)
+    chosen, why = choose_engine(job.engine, Settings.of(job), **{k: job.get(k) for k in AUTO_READS})
     assert chosen == engine, why
     assert f"ranks={ranks}" in why and f"engine.slots_factor={factor:g}" in why
     assert ("not stacked:" in why) == (engine == "threads")
