@@ -461,3 +461,21 @@ def test_large_tensors_come_from_the_heap_while_a_stacked_job_runs():
 
     out = subprocess.run([sys.executable, "-c", HEAP_CHECK], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "True", "False"]  # mapped apart, from the heap, mapped apart
+
+
+def test_bytes_per_step_on_a_graph_of_unequal_degrees_is_the_mean_not_floored(tmp_path):
+    """A star on 5 ranks: the hub sends to 4, each leaf to 1, so a rank sends (4 + 4x1)/5 = 1.6 messages a step
+    on average; stacked ranks report the mean as threads do, not rounded down to whole bytes (issue 44)."""
+    import json
+
+    from tests.conftest import run_bfexp
+
+    got = {}
+    for engine in ("threads", "stacked"):
+        proc = run_bfexp([f"hydra.run.dir={engine}", f"engine={engine}", "ranks=5", "topology=star", "steps=3",
+                          "baseline_steps=0", "report=false", "logger=jsonl"], tmp_path, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got[engine] = json.loads((tmp_path / engine / "summary.json").read_text())["bytes_sent_per_step"]
+    message = 66 * 4  # the default model's 66 float32 parameters
+    assert got["threads"] == pytest.approx(1.6 * message, rel=1e-12)
+    assert got["stacked"] == pytest.approx(got["threads"], rel=1e-12)

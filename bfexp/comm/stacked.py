@@ -185,7 +185,7 @@ class StackedEngine(Engine):
         """Every op: an abort of the job raises here; ``nbytes`` (all ranks' message) counts one rank's."""
         if self.world is not None and self.world.failed:
             raise RankAborted("the job was stopped")
-        return super()._track(op, nbytes // self._size, started, wait_fn, test_fn, **args)
+        return super()._track(op, nbytes / self._size, started, wait_fn, test_fn, **args)  # a mean: not floored
 
     def stack(self, tensors: Sequence[torch.Tensor], call: Call) -> torch.Tensor:
         """The call's input as ``(elements per rank, ranks)``; ValueError for a tensor without the ranks last.
