@@ -412,26 +412,32 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
     """``run_job``'s job in its held folder, a column: validate -> plan (with the preflight) -> launch -> report.
     Bad input ends the driver here (SystemExit passes through Hydra untouched: one line, exit 2 or 3), before
     any rank starts on its work."""
+    from omegaconf import OmegaConf
+
     from bfexp.config import Settings, check_fail_step, validate
     from bfexp.errors import ConfigError, LaunchError
     from bfexp.launch import launch
     from bfexp.plan import make_plan
+    from bfexp.summary import job_identity
 
     early: list[Any] = []  # the job's ranks, started while the driver checks it (they wait for the word to go)
     try:
         try:
             validate(cfg, reach=sweep_dir is None)  # a sweep's jobs: against each other, before the first (check_sweep)
+            settings = Settings.of(cfg)  # the run's own section, for what reads the run's values
             PHASES.mark("validate")
-            plan = make_plan(cfg, placed=lambda job, launcher: early.extend(start_early(job, run_dir, launcher)))
-            if sweep_dir is None and cfg.epochs is not None and plan.steps is not None:  # e.g. fail_step=50 epochs=1
-                check_fail_step(Settings.of(plan.cfg), plan.steps)
+            plan = make_plan(cfg, placed=lambda engine, launcher: early.extend(
+                start_early(engine, settings, run_dir, launcher)))
+            if sweep_dir is None and settings.epochs is not None and plan.steps is not None:  # fail_step=50 epochs=1
+                check_fail_step(settings, plan.steps)
             PHASES.mark("plan: engine choice, preflight, dry build")
         except (ConfigError, LaunchError) as e:
             refuse(e, run_dir, sweep_dir, early)
         for note in plan.notes:
             print(f"note: {note}", flush=True)
         plan.write(run_dir)  # what the ranks build must match (it goes again if the launch refuses the job)
-        with job_display(plan, run_dir) as (on_record, ended):
+        with job_display(plan, settings, run_dir, logger=plan.cfg.logger, identity=job_identity(plan.cfg),
+                         resolved=OmegaConf.to_container(plan.cfg, resolve=True)) as (on_record, ended):
             try:
                 result = launch(plan.cfg, run_dir, on_record=on_record, engine_choice=plan.engine_choice,
                                 early=early[0] if early else None, launcher=plan.launcher, checked=True)
@@ -443,19 +449,19 @@ def checked_job(cfg: Any, run_dir: Path, sweep_dir: Path | None) -> str:
     finally:
         for ranks in early:
             ranks.cancel()  # bad input, a signal: the waiting ranks end unseen (no-op once they ran)
-    report_job(plan.cfg, result, run_dir, sweep_dir)
+    report_job(result, run_dir, sweep_dir, fail_fast=settings.fail_fast)
     return result.status
 
 
-def start_early(cfg: Any, run_dir: Path, launcher: Any) -> list[Any]:
+def start_early(engine: Any, settings: Any, run_dir: Path, launcher: Any) -> list[Any]:
     """The job's ranks started now, where their start-up overlaps torch's import and the driver's checks
-    (they wait for the word to go); none where the launcher cannot do so."""
-    from bfexp.schema import Settings
+    (they wait for the word to go); none where the launcher cannot do so. ``engine``: the engine's node
+    (engine=auto's choice), ``settings``: the run's (bfexp.schema.Settings)."""
     from bfexp.sessions import EarlyRanks
 
-    if not EarlyRanks.wanted(cfg.engine, int(cfg.ranks), launcher):
+    if not EarlyRanks.wanted(engine, int(settings.ranks), launcher):
         return []
-    ranks = EarlyRanks(cfg.engine, Settings.of(cfg), run_dir, launcher)
+    ranks = EarlyRanks(engine, settings, run_dir, launcher)
     PHASES.mark("ranks started early (they wait for the checks)")
     return [ranks]
 
@@ -472,20 +478,18 @@ def refuse(e: Exception, run_dir: Path, sweep_dir: Path | None, early: list[Any]
 
 
 @contextlib.contextmanager
-def job_display(plan: Any, run_dir: Path) -> Any:
+def job_display(plan: Any, settings: Any, run_dir: Path, *, logger: Any, identity: dict, resolved: dict) -> Any:
     """The terminal's progress line and the logger's tracker while a job runs; yields what each metrics
-    record goes to and a list where the caller puts the job's summary (the tracker's last word)."""
-    from omegaconf import OmegaConf
-
-    from bfexp.config import build, label
+    record goes to and a list where the caller puts the job's summary (the tracker's last word). ``plan``:
+    the job's (its labels, ranks), ``settings``: the run's (steps, epochs, budget), ``logger``: the logger's
+    node; the tracker records the job's ``identity`` (summary.job_identity) and its ``resolved`` config."""
+    from bfexp.config import build
     from bfexp.progress import ConsoleProgress
-    from bfexp.summary import job_identity
 
-    cfg = plan.cfg
-    logger = build(cfg.logger, "logger")  # bfexp.loggers (validate built it once already)
-    progress = ConsoleProgress(cfg.steps, f"{label(cfg.algorithm)}/{label(cfg.topology)} x{cfg.ranks}",
-                               enabled=logger.progress, epochs=cfg.epochs, budget_s=cfg.get("budget_s"))
-    with progress, logger.tracker(job_identity(cfg), OmegaConf.to_container(cfg, resolve=True), run_dir) as tracker:
+    tracking = build(logger, "logger")  # bfexp.loggers (validate built it once already)
+    progress = ConsoleProgress(settings.steps, f"{plan.algorithm}/{plan.topology} x{plan.ranks}",
+                               enabled=tracking.progress, epochs=settings.epochs, budget_s=settings.budget_s)
+    with progress, tracking.tracker(identity, resolved, run_dir) as tracker:
         PHASES.mark("progress display, tracker")
         ended: list[dict] = []
         yield (lambda record: (progress.update(record), tracker.log(record))), ended
@@ -507,8 +511,8 @@ def not_run(run_dir: Path) -> str | None:
     return None
 
 
-def report_job(cfg: Any, result: Any, run_dir: Path, sweep_dir: Path | None) -> None:
-    """After a job: its summary on the terminal, a failure said at once (fail_fast stops the sweep), and a
+def report_job(result: Any, run_dir: Path, sweep_dir: Path | None, fail_fast: bool = False) -> None:
+    """After a job: its summary on the terminal, a failure said at once (``fail_fast`` stops the sweep), and a
     stop signal ends the driver (Interrupted) with the command that resumes."""
     from bfexp.errors import Interrupted
     from bfexp.progress import print_summary
@@ -524,7 +528,7 @@ def report_job(cfg: Any, result: Any, run_dir: Path, sweep_dir: Path | None) -> 
     _job_statuses.append(result.status)
     if result.status == results.FAILED:  # said now, not only at the end of a sweep
         print(f"bfexp: job {run_dir.name} failed: {result.summary.get('error')}", file=sys.stderr, flush=True)
-        if sweep_dir is not None and cfg.get("fail_fast"):
+        if sweep_dir is not None and fail_fast:
             _current["stopped_sweep"] = f"fail_fast=true: job {run_dir.name} failed"
             print("bfexp: fail_fast=true: the sweep's remaining jobs are not run", file=sys.stderr, flush=True)
     if result.status == results.INTERRUPTED or SIGNALS.received:

@@ -22,7 +22,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from bfexp.schema import Settings
 
 __all__ = ["Plan", "PlanMismatch", "make_plan"]
 
@@ -93,42 +96,46 @@ def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: b
     """The job's plan, checked: engine=auto resolved, the launcher built, this machine's preflight (``preflight``:
     the launcher's check, the engine's availability, where the ranks land; a sweep checks its points without it),
     the dry build. ``here``: the ranks run on this machine
-    (its memory and cores are checked). ``placed(cfg, launcher)`` is called as soon as the engine and launcher
-    are known, before the slow part (torch's import, the dry build): the driver starts its ranks there."""
+    (its memory and cores are checked). ``placed(engine, launcher)`` (the engine's node, the launcher) is called
+    as soon as the two are known, before the slow part (torch's import, the dry build): the driver starts its
+    ranks there. The entry point of the driver's checks: it makes the run's Settings and hands each check the
+    sections it reads."""
     from omegaconf import open_dict
 
     from bfexp.config import Settings, job_kind, launcher_of
     from bfexp.preflight import AUTO_READS, check_engine, resolve_engine
 
-    kind, choice = job_kind(cfg.throughput_only, cfg.scaling), None
+    settings = Settings.of(cfg)
+    kind, choice = job_kind(settings.throughput_only, cfg.scaling), None
     if kind != "modeled":
-        engine, choice = resolve_engine(cfg.engine, Settings.of(cfg), **{k: cfg.get(k) for k in AUTO_READS})
+        engine, choice = resolve_engine(cfg.engine, settings, **{k: cfg.get(k) for k in AUTO_READS})
         if choice:  # engine=auto: the job runs on a copy of its config with the engine it chose
             cfg = cfg.copy()
             with open_dict(cfg):
                 cfg.engine = engine
         launcher = launcher or launcher_of(cfg.get("launcher"))
         if placed is not None:
-            placed(cfg, launcher)
+            placed(cfg.engine, launcher)
         if preflight:
-            check_engine(cfg.engine, int(cfg.ranks), launcher)  # e.g. engine=nccl without a GPU; imports torch
-    plan = dry_build(cfg, kind, launcher, here)
+            check_engine(cfg.engine, int(settings.ranks), launcher)  # e.g. engine=nccl without a GPU; imports torch
+    plan = dry_build(settings, kind, launcher, here, algorithm=cfg.algorithm, topology=cfg.topology, model=cfg.model,
+                     dataset=cfg.dataset, optimizer=cfg.optimizer, engine=cfg.engine, scaling=cfg.scaling,
+                     heterogeneity=cfg.get("heterogeneity"), launcher_node=cfg.get("launcher"))
     machines, notes = 1, list(plan.notes)
     if kind != "modeled" and preflight:  # where the ranks land (a sweep's points are checked before they run)
-        machines = 1 if launcher.on_this_machine else len(launcher.hosts(int(cfg.ranks)))
-        notes += contention(cfg, launcher, machines)
+        machines = 1 if launcher.on_this_machine else len(launcher.hosts(int(settings.ranks)))
+        notes += contention(cfg.engine, int(settings.ranks), launcher, machines)
     return replace(plan, engine=cfg.engine.name if kind != "modeled" else None, engine_choice=choice,
                    machines=machines, notes=tuple(notes), cfg=cfg, launcher=launcher)
 
 
-def contention(cfg: Any, launcher: Any, machines: int) -> list[str]:
-    """More CPU ranks than cores: what the job measures is contention (a note)."""
+def contention(engine: Any, ranks: int, launcher: Any, machines: int) -> list[str]:
+    """More CPU ranks than cores: what the job measures is contention (a note). ``engine``: the engine's node."""
     from bfexp.comm import engine_class
     from bfexp.scaling import contention_note, processor_count
 
-    ranks = int(cfg.ranks)
     note = contention_note(launcher.ranks_per_host(ranks) if machines > 1 else ranks, processor_count(),
-                           engine_class(cfg.engine.name).device_type == "cpu", launcher.cpu_quotas(ranks))
+                           engine_class(engine).device_type == "cpu", launcher.cpu_quotas(ranks))
     return [note] if note else []
 
 
@@ -146,118 +153,129 @@ def _guarded(group: str, target: Any, call: Callable[[], Any]) -> Any:
                           f"{type(e).__name__}: {first}") from None
 
 
-def dry_build(cfg: Any, kind: str, launcher: Any, here: bool) -> Plan:
+def dry_build(settings: Settings, kind: str, launcher: Any, here: bool, *, algorithm: Any, topology: Any,
+              model: Any, dataset: Any, optimizer: Any, engine: Any, scaling: Any, heterogeneity: Any,
+              launcher_node: Any) -> Plan:
     """Everything the ranks will build, as cheaply as possible, each component checked by its own
-    constructor: the topology, the algorithm's options, requirements and engine, the data set (its files),
-    the model on the meta device, the optimizer on one dummy parameter."""
+    constructor from its node: the topology, the algorithm's options, requirements and engine, the data set
+    (its files), the model on the meta device, the optimizer on one dummy parameter. ``launcher``: the built
+    launcher (None for a modeled cluster); ``launcher_node``: its node (where process ranks land)."""
     import torch
 
     from bfexp.config import build, check_node, check_optimizer_options, label
     from bfexp.errors import number_in
     from bfexp.models import check_fits, sample_shape
     from bfexp.preflight import check_memory
+    from bfexp.summary import topology_ranks_per_machine
     from bfexp.torch_internals import defer_dynamo
 
     defer_dynamo()  # torch.optim would import torch._dynamo (a second) only to mark code for a compiler
     modeled = kind == "modeled"
-    notes, steps = _algorithm(cfg, modeled)
-    dataset_target, _ = check_node(cfg.dataset, "dataset")
-    dataset = _guarded("dataset", dataset_target, lambda: build(cfg.dataset, "dataset"))
-    if not cfg.throughput_only:  # batches and held-out samples against what the data set holds
-        more, steps = check_data(cfg, dataset)
+    placed = topology_ranks_per_machine(engine, int(settings.ranks), modeled=modeled, scaling_node=scaling,
+                                        launcher=launcher_node)
+    notes, steps = _algorithm(settings, modeled, algorithm=algorithm, topology=topology, engine=engine,
+                              ranks_per_machine=placed)
+    dataset_target, _ = check_node(dataset, "dataset")
+    data = _guarded("dataset", dataset_target, lambda: build(dataset, "dataset"))
+    if not settings.throughput_only:  # batches and held-out samples against what the data set holds
+        more, steps = check_data(settings, data, label(dataset))
         notes.extend(more)
-    model_target, _ = check_node(cfg.model, "model", runtime=("in_shape", "in_features", "classes"))
-    in_shape, classes = _guarded("model", model_target, lambda: sample_shape(cfg.model, dataset))
-    fed = (in_shape, classes) if cfg.throughput_only else dataset.sample_shape()  # training: the data's samples
+    model_target, _ = check_node(model, "model", runtime=("in_shape", "in_features", "classes"))
+    in_shape, classes = _guarded("model", model_target, lambda: sample_shape(model, data))
+    fed = (in_shape, classes) if settings.throughput_only else data.sample_shape()  # training: the data's samples
     parameters = _guarded("model", model_target,
-                          lambda: check_fits(cfg.model, *fed, data=f"dataset={label(cfg.dataset)}",
-                                             tokens=bool(getattr(dataset, "tokens", False))))
-    finfo = torch.finfo(getattr(torch, cfg.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
-    number_in("lr", cfg.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {cfg.dtype})")
+                          lambda: check_fits(model, *fed, data=f"dataset={label(dataset)}",
+                                             tokens=bool(getattr(data, "tokens", False))))
+    finfo = torch.finfo(getattr(torch, settings.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
+    number_in("lr", settings.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {settings.dtype})")
     if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
-        check_memory(cfg.engine, int(cfg.ranks), launcher, int(parameters), getattr(torch, cfg.dtype).itemsize)
-    optimizer_target, optimizer_options = check_node(cfg.optimizer, "optimizer", runtime=("params",))
+        check_memory(engine, int(settings.ranks), launcher, int(parameters), getattr(torch, settings.dtype).itemsize)
+    optimizer_target, optimizer_options = check_node(optimizer, "optimizer", runtime=("params",))
     check_optimizer_options(optimizer_options)
     _guarded("optimizer", optimizer_target,
-             lambda: build(cfg.optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
-    _engine_and_cluster(cfg, modeled, tuple(fed[0]), int(fed[1]))
-    return Plan(kind=kind, ranks=int(cfg.ranks), steps=steps, engine=None, engine_choice=None, machines=1,
-                algorithm=label(cfg.algorithm), topology=label(cfg.topology), in_shape=tuple(int(d) for d in fed[0]),
+             lambda: build(optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
+    _engine_and_cluster(settings, modeled, tuple(fed[0]), int(fed[1]), engine=engine, model=model,
+                        optimizer=optimizer, dataset=dataset, heterogeneity=heterogeneity, scaling=scaling)
+    return Plan(kind=kind, ranks=int(settings.ranks), steps=steps, engine=None, engine_choice=None, machines=1,
+                algorithm=label(algorithm), topology=label(topology), in_shape=tuple(int(d) for d in fed[0]),
                 classes=int(fed[1]), parameters=int(parameters), notes=tuple(notes))
 
 
-def _algorithm(cfg: Any, modeled: bool) -> tuple[list[str], int | None]:
-    """The topology, the algorithm's options and kind of job, and the graph its rule runs on: the notes
-    (e.g. a substituted topology) and the steps as far as the config says (``epochs``: the data set counts)."""
+def _algorithm(settings: Settings, modeled: bool, *, algorithm: Any, topology: Any, engine: Any,
+               ranks_per_machine: int) -> tuple[list[str], int | None]:
+    """The topology (its node, on machines of ``ranks_per_machine`` ranks), the algorithm's options (its node)
+    and kind of job on the engine (its node), and the graph its rule runs on: the notes (e.g. a substituted
+    topology) and the steps as far as the run's settings say (``epochs``: the data set counts)."""
     from bfexp.assembly import resolve
     from bfexp.comm import engine_class
     from bfexp.config import RUNTIME, check_node
     from bfexp.errors import ConfigError
-    from bfexp.summary import topology_ranks_per_machine
     from bfexp.topology import build_topology
     from bfexp.watchdog import PROCESS_ONLY_MODES
 
     notes: list[str] = []
-    steps = int(cfg.steps) if cfg.get("epochs") is None else None
-    topology = build_topology(cfg.topology, cfg.ranks, topology_ranks_per_machine(
-        cfg.engine, int(cfg.ranks), modeled=modeled, scaling_node=cfg.scaling, launcher=cfg.get("launcher")))
-    algorithm, options = check_node(cfg.algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
-    algorithm.check_options(**options)
+    steps = int(settings.steps) if settings.epochs is None else None
+    graph = build_topology(topology, settings.ranks, ranks_per_machine)
+    rule, options = check_node(algorithm, "algorithm", runtime=("optimizer", "engine", "topology", "model"))
+    rule.check_options(**options)
     if not modeled:
-        check_node(cfg.engine, "engine", runtime=RUNTIME["engine"])  # mpi, nccl: their class, now torch is here
-        engine = engine_class(cfg.engine.name)
-        algorithm.check_run(engine, throughput_only=bool(cfg.throughput_only), modeled=modeled)
-        if cfg.fail_rank is not None and cfg.fail_mode in PROCESS_ONLY_MODES and engine.virtual:
-            raise ConfigError(f"fail_mode={cfg.fail_mode} needs a process per rank (engine={cfg.engine.name} runs "
+        check_node(engine, "engine", runtime=RUNTIME["engine"])  # mpi, nccl: their class, now torch is here
+        engine_type = engine_class(engine)
+        rule.check_run(engine_type, throughput_only=bool(settings.throughput_only), modeled=modeled)
+        if settings.fail_rank is not None and settings.fail_mode in PROCESS_ONLY_MODES and engine_type.virtual:
+            raise ConfigError(f"fail_mode={settings.fail_mode} needs a process per rank (engine={engine.name} runs "
                               "ranks as threads of this process); allowed: engine=mpi, or fail_mode=raise or hang")
-    if algorithm.uses_topology:  # e.g. exact diffusion on exp2's undirected form; diloco averaging by allreduce
-        notes.extend(resolve(algorithm, topology, options)[1])  # reads no graph: any graph serves
+    if rule.uses_topology:  # e.g. exact diffusion on exp2's undirected form; diloco averaging by allreduce
+        notes.extend(resolve(rule, graph, options)[1])  # reads no graph: any graph serves
     return notes, steps
 
 
-def _engine_and_cluster(cfg: Any, modeled: bool, in_shape: tuple[int, ...], classes: int) -> None:
-    """What one batched program cannot hold (engine=stacked), stragglers' ranges, a modeled cluster's speed."""
+def _engine_and_cluster(settings: Settings, modeled: bool, in_shape: tuple[int, ...], classes: int, *, engine: Any,
+                        model: Any, optimizer: Any, dataset: Any, heterogeneity: Any, scaling: Any) -> None:
+    """What one batched program cannot hold (engine=stacked), stragglers' ranges, a modeled cluster's speed;
+    from the components' nodes."""
     from bfexp.comm import engine_class
-    from bfexp.config import Settings, build, label
+    from bfexp.config import build, label
     from bfexp.errors import ConfigError
     from bfexp.scaling import declared_speed, missing_speed_message
 
-    if not modeled and engine_class(cfg.engine.name).stacked:  # its optimizer, model, options
+    if not modeled and engine_class(engine).stacked:  # its optimizer, model, options
         from bfexp.comm.stacked import check_job
 
-        check_job(Settings.of(cfg), in_shape, classes, model=cfg.model, optimizer=cfg.optimizer, dataset=cfg.dataset,
-                  heterogeneity=cfg.get("heterogeneity"))
-    if cfg.get("heterogeneity") is not None:  # stragglers: the constructor checks the ranges
-        build(cfg.heterogeneity, "heterogeneity")
-    if modeled and not declared_speed(cfg.scaling, label(cfg.model)):
-        raise ConfigError(missing_speed_message(cfg.scaling, label(cfg.model)))
+        check_job(settings, in_shape, classes, model=model, optimizer=optimizer, dataset=dataset,
+                  heterogeneity=heterogeneity)
+    if heterogeneity is not None:  # stragglers: the constructor checks the ranges
+        build(heterogeneity, "heterogeneity")
+    if modeled and not declared_speed(scaling, label(model)):
+        raise ConfigError(missing_speed_message(scaling, label(model)))
 
 
-def check_data(cfg: Any, dataset: Any) -> tuple[list[str], int | None]:
+def check_data(settings: Settings, dataset: Any, name: str) -> tuple[list[str], int | None]:
     """batch_size and eval_subset against the data set's split at this job's ranks (``Dataset.sizes``; its
     files are read here, so a malformed one is named before any rank starts). A batch larger than every
     rank's shard is refused: no rank could draw it, and the run would not be the one asked for (torch's
     DataLoader silently shortens it). Larger than some shards only (an uneven split): those ranks draw their
     whole shard per step, and a note says so. Returns the notes and the steps the job runs (``epochs``
-    counts them from the split; None: a data set that cannot say before its ranks load it)."""
-    from bfexp.config import Settings, label, total_steps
+    counts them from the split; None: a data set that cannot say before its ranks load it). ``dataset``: the
+    built data set; ``name``: its option's (the messages')."""
+    from bfexp.config import total_steps
     from bfexp.errors import ConfigError
 
     try:
-        shards, held_out = dataset.sizes(int(cfg.ranks), int(cfg.seed))
+        shards, held_out = dataset.sizes(int(settings.ranks), int(settings.seed))
     except NotImplementedError:  # a user's data set that overrides load() only: its ranks say
-        return [], None if cfg.get("epochs") is not None else int(cfg.steps)
-    steps = total_steps(Settings.of(cfg), sum(shards), int(cfg.ranks))
-    where = f"dataset={label(cfg.dataset)} at ranks={cfg.ranks}"
-    if cfg.batch_size > max(shards):
-        raise ConfigError(f"batch_size={cfg.batch_size} exceeds every rank's shard ({max(shards)} samples at most "
-                          f"with {where}); allowed: an integer in [1, {max(shards)}]")
-    short = [r for r, n in enumerate(shards) if n < cfg.batch_size]
-    if cfg.get("eval_subset") is not None and cfg.eval_subset > held_out:
-        raise ConfigError(f"eval_subset={cfg.eval_subset} exceeds the {held_out} held-out samples of {where}; "
+        return [], None if settings.epochs is not None else int(settings.steps)
+    steps = total_steps(settings, sum(shards), int(settings.ranks))
+    where = f"dataset={name} at ranks={settings.ranks}"
+    if settings.batch_size > max(shards):
+        raise ConfigError(f"batch_size={settings.batch_size} exceeds every rank's shard ({max(shards)} samples at "
+                          f"most with {where}); allowed: an integer in [1, {max(shards)}]")
+    short = [r for r, n in enumerate(shards) if n < settings.batch_size]
+    if settings.eval_subset is not None and settings.eval_subset > held_out:
+        raise ConfigError(f"eval_subset={settings.eval_subset} exceeds the {held_out} held-out samples of {where}; "
                           f"allowed: an integer in [1, {held_out}] or null (all of them)")
     if not short:
         return [], steps
-    return [f"batch_size={cfg.batch_size} exceeds the shard of rank(s) {', '.join(map(str, short[:8]))}"
+    return [f"batch_size={settings.batch_size} exceeds the shard of rank(s) {', '.join(map(str, short[:8]))}"
             f"{' ...' if len(short) > 8 else ''} ({min(shards)} samples at least, {where}): they train on their "
             "whole shard each step"], steps
