@@ -52,7 +52,7 @@ Config groups (pick one option each, e.g. topology=ring):
 {groups}
 
 Top-level keys: ranks, seed, steps, epochs, budget_s, batch_size, lr, dtype, log_every,
-  eval_every, eval_every_s, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast,
+  eval_every, eval_every_s, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast, skip_invalid,
   throughput_only, baseline_steps, report
 Options have their own keys, e.g. algorithm.style=awc, topology.base=3,
 optimizer.momentum=0.9; `bfexp --cfg job algorithm=dsgd` shows them all.
@@ -396,6 +396,11 @@ def run_job(cfg: Any) -> str:
     sweep_dir = Path(str(HydraConfig.get().sweep.dir)) if HydraConfig.get().mode == RunMode.MULTIRUN else None
     _current.update(run_dir=run_dir, cfg=cfg, resume=resume_command(run_dir))
     passed = not_run(run_dir)
+    refusal = refused_here_point(sweep_dir) if not passed else None
+    if refusal is not None:  # the sweep's check refused it (skip_invalid=true): no folder, a line, the report
+        print(f"bfexp: job {run_dir.name} skipped: {refusal}", file=sys.stderr, flush=True)
+        discard_unused(run_dir)
+        passed = results.NOT_RUN
     if passed:
         _job_statuses.append(passed)
         return passed
@@ -623,11 +628,12 @@ def sweep_points(config: Any) -> list[tuple[list[str], Any]]:
     return points
 
 
-def check_sweep(config: Any) -> None:
+def check_sweep(config: Any) -> list[tuple[list[str], str]]:
     """Every point of a sweep composed and checked as ``run_job`` checks a job, before the first job starts:
     ``-m lr=0.1,-1`` is refused (one line, exit 2) before ``lr=0.1`` trains, and no folder is made. Options
     that name a rank or a step are checked against the largest job (``check_reach``). A sweep launcher whose
-    jobs run elsewhere (its class's ``runs_here``: Slurm's) leaves this machine's memory out of the check."""
+    jobs run elsewhere (its class's ``runs_here``: Slurm's) leaves this machine's memory out of the check.
+    ``skip_invalid=true``: the refused points are returned (overrides, reason) instead, unless all are."""
     from bfexp.config import Settings, check_fail_step, check_reach, validate
     from bfexp.errors import ConfigError
     from bfexp.launchers.sweep import runs_here
@@ -638,13 +644,19 @@ def check_sweep(config: Any) -> None:
     ranks = max(int(job.ranks) for _, job in points)
     steps = max(int(job.steps) for _, job in points)
     counted = []  # the jobs that count epochs: their steps are known after their dry build
+    refused: list[tuple[list[str], str]] = []  # skip_invalid=true: the points left out, and why
     for swept, job in points:
         try:
             validate(job)
             check_reach(Settings.of(job), job.get("heterogeneity"), ranks, steps)
             plan = make_plan(job, here=here, preflight=False)
         except ConfigError as e:
-            raise type(e)(f"{e}{sweep_point(points, swept)}") from None
+            if not job.get("skip_invalid") or len(refused) + 1 == len(points):  # every point refused: the sweep is
+                others = "; or skip_invalid=true to run the sweep's other points" \
+                    if len(points) > 1 and not job.get("skip_invalid") else ""
+                raise type(e)(f"{e}{sweep_point(points, swept)}{others}") from None
+            refused.append((swept, str(e)))
+            continue
         if job.epochs is not None:
             counted.append((swept, plan.cfg, plan.steps))
     if counted and all(n is not None for _, _, n in counted):
@@ -655,6 +667,33 @@ def check_sweep(config: Any) -> None:
             except ConfigError as e:
                 named = [o for o in swept if o.startswith("fail_step=")]
                 raise type(e)(f"{e}{sweep_point(points, named)}") from None
+    return refused
+
+
+def record_refused(sweep: Path, refused: list[tuple[list[str], str]]) -> None:
+    """skip_invalid=true: the refused points in the sweep folder (results.REFUSED, which every job of the sweep
+    reads, wherever it runs, and the report lists), each said on stderr now."""
+    path = sweep / results.REFUSED
+    if not refused:
+        if path.is_file():  # a resumed sweep whose points all run now: its old list goes (bfexp wrote it)
+            path.unlink()
+        return
+    for swept, reason in refused:
+        print(f"bfexp: sweep point {' '.join(swept)} refused, skipped (skip_invalid=true): {reason}",
+              file=sys.stderr, flush=True)
+    results.write_json_atomic(path, {"refused": [{"overrides": swept, "reason": reason} for swept, reason in refused]})
+
+
+def refused_here_point(sweep_dir: Path | None) -> str | None:
+    """The reason this sweep job was refused by the sweep's check (skip_invalid=true), None for a job to run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    listed = (results.read_json(sweep_dir / results.REFUSED) or {}).get("refused", []) if sweep_dir else []
+    task = set(HydraConfig.get().overrides.task)
+    for point in listed:
+        if set(point.get("overrides", [])) <= task:
+            return str(point.get("reason"))
+    return None
 
 
 def sweep_point(points: list, swept: list[str]) -> str:
@@ -676,7 +715,9 @@ class RunFolders:
             found = busy_job(sweep) if sweep.is_dir() else None
             if found:  # nor writes multirun.yaml there
                 busy("hydra.sweep.dir", sweep, f"job {found[0].name}: {found[1]}")
-            check_sweep(config)
+            refused = check_sweep(config)
+        sweep.mkdir(parents=True, exist_ok=True)  # Hydra's next step; the refused points' list goes there first
+        record_refused(sweep, refused)
         _current["sweep_dir"] = sweep
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:

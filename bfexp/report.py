@@ -302,6 +302,10 @@ def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], no
     if left_out:
         lines += ["", "## Left out of the plots", ""]
         lines += [f"- `{j.name}`: {j.status}" + (f": {j.summary['error']}" if j.summary.get("error") else "") for j in left_out]
+    refused = refused_points(root)
+    if refused:
+        lines += ["", "## Refused points (skip_invalid=true: not run)", ""]
+        lines += [f"- `{' '.join(overrides)}`: {reason}" for overrides, reason in refused]
     contention = {str(j.summary["contention"]) for j in jobs if j.summary.get("contention")}
     definitions = [DEFINITIONS] if any(j.summary.get("scaling_efficiency") is not None for j in jobs) else []
     notes = [*definitions, *noise_notes(jobs, table.swept), *notes, *sorted(contention)]
@@ -798,6 +802,13 @@ class Report:
 
 
 
+def refused_points(root: Path) -> list[tuple[list[str], str]]:
+    """The points a sweep with skip_invalid=true did not run, with the reason each was refused
+    (results.REFUSED in the sweep folder; none for a sweep that refused nothing)."""
+    listed = (results.read_json(root / results.REFUSED) or {}).get("refused", [])
+    return [([str(o) for o in p.get("overrides", [])], str(p.get("reason", ""))) for p in listed if isinstance(p, dict)]
+
+
 def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, plots: bool = True) -> Report:
     """Collect every job under root and write report.csv, report.md and plots into out (default: root)."""
     root = Path(root)
@@ -836,6 +847,9 @@ def print_report(report: Report) -> None:
         if job.summary.get("error"):
             name = job.number if numbered else job.name
             console.print(f"{name} ({job.status}): {job.summary['error']}", highlight=False, soft_wrap=True)
+    for overrides, reason in refused_points(report.root):
+        console.print(f"refused, not run (skip_invalid=true): {' '.join(overrides)}: {reason}", highlight=False,
+                      soft_wrap=True)
     for note in report.notes:
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
     console.print(f"report: {report.out / MD_NAME} ({len(report.files) - 2} plots, {CSV_NAME})", highlight=False, soft_wrap=True)

@@ -26,6 +26,8 @@ from typing import Any, Iterator
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
+# In a sweep folder: the points a sweep with skip_invalid=true left out, each with its overrides and reason.
+REFUSED = "refused.json"
 ERRORS_DIR = "errors"
 LOGS_DIR = "logs"
 # In LOGS_DIR: where rank 0's start-up and wall time went (``Phases``; `bfexp --verbose` prints it).

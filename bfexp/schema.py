@@ -184,6 +184,9 @@ class Config:
     checkpoint_every: int = 0
     # A sweep (-m) stops at its first failed job instead of running the rest.
     fail_fast: bool = False
+    # A sweep (-m) with points that cannot run (e.g. exact_diffusion on a directed graph): run the valid
+    # points and list the refused ones, with their reasons, in the report (false: refuse the whole sweep).
+    skip_invalid: bool = False
     # Fault injection, for testing how a job fails: at fail_step, rank fail_rank does fail_mode:
     # raise (an exception), kill (SIGKILL itself), freeze (SIGSTOP itself) or hang (sleep
     # forever inside its next communication call). kill and freeze need a process per rank.
@@ -261,6 +264,7 @@ class Settings:
     timeout_s: float = 300.0
     checkpoint_every: int = 0
     fail_fast: bool = False
+    skip_invalid: bool = False
     fail_rank: Optional[int] = None
     fail_step: int = 1
     fail_mode: str = "raise"
