@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -520,14 +521,21 @@ def report_job(result: Any, run_dir: Path, sweep_dir: Path | None, fail_fast: bo
     """After a job: its summary on the terminal, a failure said at once (``fail_fast`` stops the sweep), and a
     stop signal ends the driver (Interrupted) with the command that resumes."""
     from bfexp.errors import Interrupted
-    from bfexp.progress import print_summary
+    from bfexp.progress import print_summary, print_sweep_job
     from bfexp.signals import SIGNALS
 
     if result.status == results.INTERRUPTED:
         result.summary["resume_command"] = resume_command(run_dir)
         with contextlib.suppress(OSError):
             results.write_json_atomic(run_dir / results.SUMMARY, result.summary)
-    print_summary(result.summary, str(run_dir))
+    sweep = _current.get("sweep")  # (points, when the first job began, jobs done) of the sweep under way here
+    if sweep_dir is not None and sweep is not None:  # one line a job, the sweep's table at its end
+        sweep["done"] += 1
+        per_job = (time.monotonic() - sweep["started"]) / sweep["done"]
+        print_sweep_job(result.summary, str(run_dir), sweep["done"], sweep["points"],
+                        per_job * (sweep["points"] - sweep["done"]))
+    else:
+        print_summary(result.summary, str(run_dir))
     if _current.get("verbose"):
         print_timing(run_dir)
     _job_statuses.append(result.status)
@@ -719,6 +727,7 @@ class RunFolders:
         sweep.mkdir(parents=True, exist_ok=True)  # Hydra's next step; the refused points' list goes there first
         record_refused(sweep, refused)
         _current["sweep_dir"] = sweep
+        _current["sweep"] = {"points": len(sweep_points(config)), "started": time.monotonic(), "done": 0}
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         """The run folder is held from here, before Hydra writes its .hydra/ there."""

@@ -147,6 +147,21 @@ def reference_note(summary: dict) -> str | None:
     return text
 
 
+def print_sweep_job(summary: dict, run_dir: str, done: int, total: int, left_s: float | None) -> None:
+    """A sweep's job in one line (its table would scroll the sweep away; the sweep's table comes at its end):
+    ``job 2/4 completed: dsgd on exp2, 4 ranks (threads): loss 0.67, accuracy 0.666, 1.3 s wall; about
+    4 s left; results: DIR``."""
+    figures = [f"{label} {figure(summary, key)}" for key, label in
+               (("final_loss", "loss"), ("final_accuracy", "accuracy"), ("wall_time_s", "wall (s)"))
+               if summary.get(key) is not None]
+    what = (f"{summary.get('algorithm')} on {summary.get('topology')}, {summary.get('ranks')} ranks "
+            f"({summary.get('engine')})")
+    left = f"; about {left_s:.0f} s left" if left_s is not None and done < total else ""
+    error = f": {summary['error']}" if summary.get("error") else ""
+    console.print(f"job {done}/{total} {summary.get('status')}: {what}: {', '.join(figures) or 'no figures'}{error}"
+                  f"{left}; results: {run_dir}", highlight=False, soft_wrap=True)
+
+
 def print_summary(summary: dict, run_dir: str) -> None:
     title = f"{summary.get('algorithm')} on {summary.get('topology')}, {summary.get('ranks')} ranks ({summary.get('engine')})"
     table = Table(title=title, show_header=False)

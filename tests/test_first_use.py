@@ -63,3 +63,19 @@ def test_skip_invalid_with_every_point_refused_refuses_the_sweep(tmp_path):
                      timeout=120)
     assert proc.returncode == 2 and "lr=-2" in proc.stderr and "(sweep point lr=-2)" in proc.stderr, proc.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_sweep_says_each_job_in_one_line_and_its_table_at_the_end(tmp_path):
+    """-m over three points: `job k/3 <status>: ...; about N s left; results: DIR` after each job, no per-job
+    table (its 17 rows scrolled the sweep away), the sweep's table once, at the end."""
+    import re
+
+    proc = run_bfexp(["-m", "lr=0.1,0.2,0.3", "engine=threads", "steps=3", "baseline_steps=0", "logger=jsonl",
+                      "hydra.sweep.dir=sweep"], tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("job ")]
+    assert [l.split(" ")[1] for l in lines] == ["1/3", "2/3", "3/3"], proc.stdout[-3000:]
+    assert all(" completed: dsgd on exp2, 4 ranks (threads): loss " in l for l in lines)
+    assert all(re.search(r"; about \d+ s left; results: ", l) for l in lines[:2]) and "left" not in lines[2]
+    assert "step time (s, median)" not in proc.stdout  # the job table's row
+    assert proc.stdout.count("sweep: 3 jobs") == 1
