@@ -267,6 +267,25 @@ def check_fail_step(settings: Settings, steps: int, sweep: bool = False) -> None
                       f"[1, {steps}]")
 
 
+# The longest run bfexp takes (a step counter beyond it is a typo, not an experiment: 2**63 trained until
+# killed) and the most evaluations a time budget schedules (each is a pass over the held-out set).
+MAX_STEPS = 10**9
+MAX_EVALUATIONS = 10_000
+
+
+def check_eval_every_s(every_s: float, budget_s: float | None) -> None:
+    """eval_every_s spaces evaluations within a time budget: without one it would say nothing (refused, not
+    ignored), and more than MAX_EVALUATIONS of them (eval_every_s=1e-9) would be a list nobody can hold."""
+    if budget_s is None:
+        raise ConfigError(f"eval_every_s={every_s} spaces evaluations within a time budget, and budget_s is null; "
+                          "allowed: budget_s=<seconds> beside it, or eval_every_s=null (evaluation by steps: "
+                          "eval_every)")
+    least = float(budget_s) / MAX_EVALUATIONS
+    if float(every_s) < least:
+        raise ConfigError(f"eval_every_s={every_s} schedules {float(budget_s) / float(every_s):.3g} evaluations in "
+                          f"budget_s={budget_s}; allowed: eval_every_s >= budget_s / {MAX_EVALUATIONS} = {least:g}")
+
+
 def validate(cfg: Any, reach: bool = False) -> None:
     """Reject what cannot run in the top level, the data-only groups and across groups, naming the value and
     what is allowed. The logger and the launcher are built here (light classes whose constructors check their
@@ -284,7 +303,7 @@ def validate(cfg: Any, reach: bool = False) -> None:
             _require(value in allowed, f"{key}={value!r}; allowed: {', '.join(allowed)}")
     number_in("ranks", cfg.ranks, low=1, integer=True)
     check_seed("seed", cfg.seed)
-    number_in("steps", cfg.steps, low=1, integer=True)
+    number_in("steps", cfg.steps, low=1, high=MAX_STEPS, integer=True)
     if cfg.epochs is not None:
         number_in("epochs", cfg.epochs, low=1, integer=True)
     number_in("batch_size", cfg.batch_size, low=1, integer=True)
@@ -294,6 +313,7 @@ def validate(cfg: Any, reach: bool = False) -> None:
         number_in("budget_s", cfg.budget_s, low=0, low_open=True, note="(seconds of training time), or null")
     if cfg.get("eval_every_s") is not None:
         number_in("eval_every_s", cfg.eval_every_s, low=0, low_open=True, note="(seconds), or null")
+        check_eval_every_s(cfg.eval_every_s, cfg.get("budget_s"))
     if cfg.get("eval_every") is not None:
         number_in("eval_every", cfg.eval_every, low=1, integer=True)
     number_in("eval_budget", cfg.get("eval_budget", 0.1), low=0, low_open=True)

@@ -271,3 +271,17 @@ def test_read_file_takes_regular_files_within_their_limit(tmp_path):
         read_file("/dev/zero", 10)
     with pytest.raises(FileNotFoundError):
         read_file(tmp_path / "none", 10)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["steps=9223372036854775808"], "steps=9223372036854775808; allowed: an integer in [1, 1e+09]"),
+    (["steps=1000000001"], "allowed: an integer in [1, 1e+09]"),
+    (["budget_s=1", "eval_every_s=1e-9"], "schedules 1e+09 evaluations in budget_s=1.0; allowed: eval_every_s >= "),
+    (["budget_s=100", "eval_every_s=0.001"], "schedules 1e+05 evaluations"),
+    (["eval_every_s=1"], "budget_s is null; allowed: budget_s=<seconds> beside it, or eval_every_s=null"),
+    (["-m", "steps=2,9223372036854775807"], "(sweep point steps=9223372036854775807)"),
+])
+def test_time_nobody_would_wait_for_is_refused(tmp_path, args, said):
+    """A step count past 1e9 (2**63 trained until killed), evaluations by the billion, eval_every_s that a job
+    without a budget would ignore: one line, exit 2, before anything is built."""
+    refused(run_bfexp(args, tmp_path, timeout=60), said)
