@@ -604,6 +604,19 @@ def refused_here() -> Any:
         fail(one_line(e))
 
 
+def refuse_sweep_launcher_alone(config: Any) -> None:
+    """``hydra/launcher=slurm`` without -m: Hydra runs a single job here and never asks the sweep launcher,
+    so the job would run on this machine, not where it was sent (ConfigError instead)."""
+    from bfexp.errors import ConfigError
+    from bfexp.launchers.sweep import runs_here
+
+    if not runs_here(config.hydra.launcher):
+        name = config.hydra.runtime.choices.get("hydra/launcher") or config.hydra.launcher.get("_target_")
+        raise ConfigError(f"hydra/launcher={name} submits the jobs of a sweep, and this command is one job (no -m), "
+                          f"which would run here; allowed: -m with hydra/launcher={name} (a sweep of one point "
+                          "is one submitted job), or launcher=srun inside an allocation")
+
+
 def check_output_folder(config: Any, mode: str) -> None:
     """``hydra.run.dir=`` (or ``hydra.sweep.dir=``) empty: Hydra would write into the current folder."""
     from bfexp.errors import ConfigError
@@ -735,6 +748,7 @@ class RunFolders:
         with refused_here():  # before Hydra makes the run folder
             check_output_folder(config, "run")
             refuse_foreign("hydra.run.dir", run_dir, run_dir / ".hydra" / "hydra.yaml")
+            refuse_sweep_launcher_alone(config)
         note_existing(run_dir)
         try:
             with refused_here():  # e.g. a .lock that is a link or a folder: refused, nothing of it touched

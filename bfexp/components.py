@@ -21,6 +21,7 @@ OmegaConf (and bfexp.errors, bfexp.schema).
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import functools
 import importlib
@@ -179,9 +180,9 @@ def describe(annotation: Any) -> str:
         return ", ".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else describe(a) for a in args)
-    if origin in (list, tuple, typing.Sequence) or annotation in (list, tuple):
-        return f"a list of {describe(args[0]).split(' ', 1)[-1]}s" if args else "a list"
-    if origin in (dict, typing.Mapping) or annotation is dict:
+    if origin in (list, tuple, typing.Sequence, collections.abc.Sequence) or annotation in (list, tuple):
+        return f"a list of {describe(args[0]).split(' ', 1)[-1]}s ([...])" if args else "a list"
+    if origin in (dict, typing.Mapping, collections.abc.Mapping) or annotation is dict:
         return "a mapping"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(annotation, str(annotation))
 
@@ -205,9 +206,10 @@ def type_ok(value: Any, annotation: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is str:
         return isinstance(value, str)
-    if origin in (list, tuple, typing.Sequence) or annotation in (list, tuple):
+    # (Sequence[str]'s origin is collections.abc.Sequence: a string, a sequence of characters, is not one here)
+    if origin in (list, tuple, typing.Sequence, collections.abc.Sequence) or annotation in (list, tuple):
         return isinstance(value, (list, tuple)) and (not args or all(type_ok(v, args[0]) for v in value))
-    if origin in (dict, typing.Mapping) or annotation is dict:
+    if origin in (dict, typing.Mapping, collections.abc.Mapping) or annotation is dict:
         return isinstance(value, dict)
     if inspect.isclass(annotation) and origin is None:  # e.g. torch.Tensor: no config value is one
         return isinstance(value, annotation)

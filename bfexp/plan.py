@@ -114,6 +114,7 @@ def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: b
             with open_dict(cfg):
                 cfg.engine = engine
         launcher = launcher or launcher_of(cfg.get("launcher"))
+        check_placement(cfg.engine, launcher, cfg.get("launcher"))
         if placed is not None:
             placed(cfg.engine, launcher)
         if preflight:
@@ -127,6 +128,21 @@ def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: b
         notes += contention(cfg.engine, int(settings.ranks), launcher, machines)
     return replace(plan, engine=cfg.engine.name if kind != "modeled" else None, engine_choice=choice,
                    machines=machines, notes=tuple(notes), cfg=cfg, launcher=launcher)
+
+
+def check_placement(engine: Any, launcher: Any, launcher_node: Any) -> None:
+    """A launcher that starts process ranks on other machines with an engine whose ranks are threads of this
+    process (launcher=emulated engine=threads ran here and its summary said emulated): ConfigError."""
+    from bfexp.comm import engine_facts
+    from bfexp.components import label
+    from bfexp.errors import ConfigError
+
+    if launcher.on_this_machine or engine_facts(engine).processes:
+        return
+    name = label(launcher_node) if launcher_node is not None else type(launcher).__name__
+    raise ConfigError(f"launcher={name} starts process ranks on its machines, and engine={engine.name} runs the "
+                      f"ranks as threads of this process; allowed: engine=mpi (or auto) with launcher={name}, or "
+                      f"launcher=local for engine={engine.name}")
 
 
 def contention(engine: Any, ranks: int, launcher: Any, machines: int) -> list[str]:

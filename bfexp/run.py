@@ -86,10 +86,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="machines and their slots, e.g. n1:4,n2:4 (mpirun over ssh)")
     where.add_argument("--hostfile", help="Open MPI hostfile: `host slots=N` a line")
+    where.add_argument("--srun", action="store_true",
+                       help="start the ranks with srun inside a Slurm allocation (salloc, sbatch), as launcher=srun")
     parser.add_argument("--engine", default="mpi",
                         help="mpi: one process a rank (default); threads: virtual ranks in this process; or an "
                              "engine class's path (mylab.engines.MyEngine): its ranks processes or threads as it says")
-    parser.add_argument("--network-interface", help="interface the ranks talk over (with --hosts/--hostfile)")
+    parser.add_argument("--network-interface", help="interface the ranks talk over (with --hosts/--hostfile/--srun)")
     parser.add_argument("--log-dir", help="write each rank's output to LOG_DIR/rank<N>.log instead of the terminal")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="python SCRIPT ARGS (or SCRIPT ARGS, or python -m MODULE ARGS)")
@@ -101,8 +103,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not args.command:
         bad("no command; allowed: python SCRIPT ARGS, e.g. bfexp-run -n 4 python train.py")
     args.engine_facts = engine_facts_of(args.engine)
-    if not args.engine_facts.processes and (args.hosts or args.hostfile):
-        bad("--hosts/--hostfile with --engine threads; allowed: --engine mpi across machines")
+    if not args.engine_facts.processes and (args.hosts or args.hostfile or args.srun):
+        bad(f"--hosts/--hostfile/--srun with --engine {args.engine}, whose ranks are threads of this process; "
+            "allowed: --engine mpi across machines")
+    if args.network_interface and not (args.hosts or args.hostfile or args.srun):
+        bad(f"--network-interface {args.network_interface} without --hosts, --hostfile or --srun: the ranks of one "
+            "machine talk through shared memory; allowed: it beside one of them")
     return args
 
 
@@ -158,9 +164,12 @@ def split_command(command: list[str]) -> tuple[str, list[str], list[str]]:
 
 
 def launcher_for(args: argparse.Namespace) -> Any:
-    """The launcher the runner's options name: mpirun over --hosts/--hostfile, else this machine's mpiexec."""
-    from bfexp.launchers import Local, Mpirun
+    """The launcher the runner's options name: srun in the allocation (--srun), mpirun over --hosts/--hostfile,
+    else this machine's mpiexec."""
+    from bfexp.launchers import Local, Mpirun, Srun
 
+    if args.srun:
+        return Srun(network_interface=args.network_interface)
     if args.hosts or args.hostfile:
         return Mpirun(hosts=args.hosts, hostfile=args.hostfile, network_interface=args.network_interface)
     return Local()

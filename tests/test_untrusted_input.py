@@ -285,3 +285,36 @@ def test_time_nobody_would_wait_for_is_refused(tmp_path, args, said):
     """A step count past 1e9 (2**63 trained until killed), evaluations by the billion, eval_every_s that a job
     without a budget would ignore: one line, exit 2, before anything is built."""
     refused(run_bfexp(args, tmp_path, timeout=60), said)
+
+
+# ---------------------------------------------------------------- silently ignored, now refused
+
+
+@pytest.mark.parametrize("args, said", [
+    (["launcher=emulated", "engine=threads"], "launcher=emulated starts process ranks on its machines, and "
+                                              "engine=threads runs the ranks as threads"),
+    (["launcher=mpirun", "launcher.hosts=[localhost:2]", "engine=stacked"], "launcher=mpirun starts process ranks"),
+    (["hydra/launcher=slurm"], "hydra/launcher=slurm submits the jobs of a sweep, and this command is one job"),
+    (["launcher=mpirun", "launcher.hosts=[localhost:2]", "launcher.extra_args=--bogus"],
+     "launcher.extra_args='--bogus'; allowed: a list of strings"),
+    (["launcher=mpirun", "launcher.hosts=[localhost:2]", "launcher.extra_args=5"], "launcher.extra_args=5; allowed"),
+    (["launcher=emulated", "launcher.link_rate=0bit"], "launcher.link_rate=0bit; allowed: a rate above 0"),
+    (["launcher=emulated", "launcher.link_rate=0.0gbit"], "launcher.link_rate=0.0gbit; allowed: a rate above 0"),
+])
+def test_an_option_that_would_be_ignored_is_refused(tmp_path, args, said):
+    """What ran as something else (virtual ranks under a launcher of machines, a sweep launcher without a
+    sweep), a string split into one-character arguments, a link rate of 0 that reached tc: one line, exit 2,
+    and no folder."""
+    refused(run_bfexp([*args, "steps=2"], tmp_path, timeout=120), said)
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--network-interface", "eth0"], "--network-interface eth0 without --hosts, --hostfile or --srun"),
+    (["--srun", "--engine", "threads"], "--hosts/--hostfile/--srun with --engine threads"),
+])
+def test_bfexp_run_refuses_what_it_would_ignore(tmp_path, args, said):
+    (tmp_path / "train.py").write_text("print('ran')\n")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.run", "-n", "2", *args, "python", "train.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr and "ran" not in proc.stdout, proc.stderr

@@ -69,7 +69,10 @@ def link_rate_bits(rate: str) -> float:
     match = RATE.match(str(rate))
     if not match:
         raise ConfigError(f"launcher.link_rate={rate}; allowed: a rate such as 200mbit, 1gbit, 2.5gbit, or none")
-    return float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
+    bits = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
+    if not bits > 0:  # 0bit reached tc, which refused it after the hosts were reshaped
+        raise ConfigError(f"launcher.link_rate={rate}; allowed: a rate above 0, such as 200mbit, 1gbit, or none")
+    return bits
 
 
 def tcp_goodput_gbyte_per_s(rate: str) -> float:
