@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,11 @@ class Checkpointer:
         device = getattr(self.engine, "device", None) or "cpu"
         try:
             state = torch.load(path, map_location=device, weights_only=True)
+        except pickle.UnpicklingError:  # torch's own words advise loading it unsafely: not ours to repeat
+            raise ConfigError(f"checkpoint file {path} cannot be read: it is damaged or not a bfexp checkpoint (it "
+                              "holds objects other than tensors and plain data, which bfexp does not load); allowed: "
+                              f"remove {path.parent} to resume from an earlier checkpoint, or rerun from the start "
+                              "in a new folder") from None
         except (RuntimeError, OSError, EOFError, ValueError) as e:
             raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None

@@ -74,6 +74,22 @@ Hydra's own options: bfexp --hydra-help
 """
 
 
+def top_level_type(key: str) -> str:
+    """What a top-level key takes, from the schema (bfexp.schema.Config), for a message; a value of the key's
+    type for any other key."""
+    import dataclasses
+    import typing
+
+    from bfexp.components import describe
+    from bfexp.schema import Config
+
+    found = {f.name: f for f in dataclasses.fields(Config)}.get(key)
+    if found is None:
+        return "a value (`bfexp --cfg job` shows the key's default)"
+    hints = typing.get_type_hints(Config)
+    return f"{describe(hints.get(key, found.type))} (default {found.default!r})"
+
+
 def near_keys(key: str, parent: Any) -> str:
     """`` (did you mean 'steps'?)`` for a misspelt key, from the keys beside it (``parent``: the config node
     it is missing from); nothing when none is close or the node is unknown."""
@@ -133,6 +149,8 @@ def one_line(exc: BaseException) -> str:
                    "`bfexp --cfg job` lists the keys this config has"
         if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
             first = str(e).strip().splitlines()[0]
+            if "is not Optional" in first:  # key=null for a key that takes a value
+                return f"{e.full_key}=null; allowed: {top_level_type(str(e.full_key))}"
             return f"{e.full_key}: {first}"
     text = str(exc).strip().splitlines()
     m = re.match(r"Ambiguous value for argument '([^=']+)=([^']*)'", text[0] if text else "")
@@ -348,7 +366,29 @@ def refuse_bad_flags(args: list[str]) -> None:
     here in one line, exit 2, instead of Hydra's usage over ten lines; ``args`` as Hydra gets them."""
     from bfexp.hydra_internals import parse_flags
 
+    for arg in args:  # Hydra's parser recurses once per level: 3,000 brackets end in 2,000 lines of traceback
+        depth = deepest(arg)
+        if depth > MAX_NESTING:
+            key = arg.partition("=")[0]
+            fail(f"{key}=... nests {depth} levels of brackets; allowed: at most {MAX_NESTING} (a list or mapping "
+                 "of lists, e.g. [[1,2],[3,4]])")
     parse_flags(args, lambda message: fail(f"{message}; Hydra's flags: bfexp --hydra-help"))
+
+
+MAX_NESTING = 32  # levels of [ and { in one override
+
+
+def deepest(text: str) -> int:
+    """The deepest nesting of brackets in ``text`` (quoted ones too: an estimate that errs toward refusing only
+    what no config needs)."""
+    depth = most = 0
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+            most = max(most, depth)
+        elif ch in "]})":
+            depth = max(0, depth - 1)
+    return most
 
 
 def resume_command(run_dir: Path) -> str:

@@ -106,6 +106,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not args.engine_facts.processes and (args.hosts or args.hostfile or args.srun):
         bad(f"--hosts/--hostfile/--srun with --engine {args.engine}, whose ranks are threads of this process; "
             "allowed: --engine mpi across machines")
+    if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        bad(f"--log-dir {args.log_dir} is a file; allowed: a folder (made if missing) for the ranks' logs")
     if args.network_interface and not (args.hosts or args.hostfile or args.srun):
         bad(f"--network-interface {args.network_interface} without --hosts, --hostfile or --srun: the ranks of one "
             "machine talk through shared memory; allowed: it beside one of them")

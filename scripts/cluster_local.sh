@@ -282,14 +282,25 @@ up() {
     local n=3 rate=none cpu=none slurm=no
     while [ $# -gt 0 ]; do
         case "$1" in
-            --hosts) n=$2; shift 2 ;;
-            --rate) rate=$2; shift 2 ;;
-            --cpu) cpu=$2; shift 2 ;;
+            --hosts|--rate|--cpu)
+                [ $# -ge 2 ] || die "$1 needs a value; allowed: --hosts N, --rate RATE, --cpu FRACTION, --slurm"
+                case "$1" in --hosts) n=$2 ;; --rate) rate=$2 ;; --cpu) cpu=$2 ;; esac
+                shift 2 ;;
             --slurm) slurm=yes; shift ;;
             *) die "unknown option $1; allowed: --hosts N, --rate RATE, --cpu FRACTION, --slurm" ;;
         esac
     done
+    # Every value checked before anything is made (namespaces, sshd, Slurm): a bad one leaves nothing behind.
     [[ "$n" =~ ^[1-8]$ ]] || die "--hosts $n; allowed: 1 to 8"
+    if [ "$rate" != none ]; then
+        [[ "$rate" =~ ^([0-9]+(\.[0-9]+)?)([kmg]?bit)$ ]] && awk -v r="${BASH_REMATCH[1]}" 'BEGIN { exit !(r + 0 > 0) }' \
+            || die "--rate $rate; allowed: a tc rate above 0 such as 1gbit, 200mbit, 500kbit, or none"
+    fi
+    if [ "$cpu" != none ]; then
+        local cores; cores=$(nproc)
+        awk -v f="$cpu" -v c="$cores" 'BEGIN { exit !(f ~ /^[0-9]*\.?[0-9]+$/ && f + 0 > 0 && f + 0 <= c) }' \
+            || die "--cpu $cpu; allowed: a number of cores above 0 and at most this machine's $cores, e.g. 0.4, or none"
+    fi
     need_root
     if is_up; then
         [ "$(hosts | wc -l)" = "$n" ] || die "already up with $(hosts | wc -l) hosts; run down first for $n"

@@ -318,3 +318,82 @@ def test_bfexp_run_refuses_what_it_would_ignore(tmp_path, args, said):
     proc = subprocess.run([sys.executable, "-m", "bfexp.run", "-n", "2", *args, "python", "train.py"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and said in proc.stderr and "ran" not in proc.stdout, proc.stderr
+
+
+# ---------------------------------------------------------------- one clear line where a traceback was
+
+
+def test_an_override_nested_thousands_deep_is_one_line(tmp_path):
+    """lr=[[[...]]] 3,000 deep: Hydra's parser recursed into 2,015 lines of traceback; now one line."""
+    refused(run_bfexp(["lr=" + "[" * 3000 + "]" * 3000], tmp_path, timeout=60), "nests 3000 levels of brackets")
+
+
+@pytest.mark.parametrize("override, said", [
+    ("checkpoint_every=null", "checkpoint_every=null; allowed: an integer (default 0)"),
+    ("steps=null", "steps=null; allowed: an integer (default 200)"),
+])
+def test_null_for_a_key_that_takes_a_value_says_what_it_takes(tmp_path, override, said):
+    refused(run_bfexp([override], tmp_path, timeout=60), said)
+
+
+@pytest.mark.parametrize("content, name, said", [
+    ("", "empty.edges", "names no edge; allowed: lines `src dst [weight]` over ranks 0..3"),
+    ("# only a comment\n", "comment.edges", "names no edge"),
+    (None, "objects.npy", "it holds Python objects, not numbers"),
+    (b"PK\x03\x04 not a zip", "junk.npz", "cannot be read as a matrix"),
+])
+def test_a_graph_file_that_is_not_one_is_one_line_with_advice_that_runs(tmp_path, content, name, said):
+    """An empty edge list advised ranks=0 (itself refused); an .npy of Python objects quoted numpy's
+    allow_pickle (advice to run what the file names); a damaged .npz ended in a traceback."""
+    import numpy as np
+
+    path = tmp_path / name
+    if content is None:
+        np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    proc = run_bfexp(["topology=file", f"topology.path={name}", "steps=2"], tmp_path, timeout=60)
+    refused(proc, said)
+    assert "allow_pickle" not in proc.stderr and "ranks=0" not in proc.stderr
+
+
+def test_a_damaged_checkpoint_is_named_without_torchs_advice_to_load_it_unsafely(tmp_path):
+    """A checkpoint file replaced by a pickle that names os.system: the resumed job fails naming the file and
+    what to do; torch's advice (weights_only=False, which would run it) is not repeated; nothing ran."""
+    import json
+
+    marker = tmp_path / "MARKER"
+    args = ["hydra.run.dir=run", "engine=threads", "steps=6", "checkpoint_every=3", "baseline_steps=0",
+            "logger=jsonl"]
+    assert run_bfexp([*args, "fail_rank=0", "fail_step=5"], tmp_path, timeout=240).returncode == 1
+    (tmp_path / "run" / "checkpoint" / "step3" / "rank0.pt").write_bytes(pickle.dumps(_Marker(marker)))
+    proc = run_bfexp(["resume=run", "fail_rank=null"], tmp_path, timeout=240)
+    assert proc.returncode == 1
+    error = json.loads((tmp_path / "run" / "summary.json").read_text())["error"]
+    assert "checkpoint/step3/rank0.pt cannot be read: it is damaged or not a bfexp checkpoint" in error, error
+    assert "weights_only" not in error + proc.stderr and not marker.exists()
+
+
+def test_bfexp_run_log_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "logs").write_text("mine\n")
+    (tmp_path / "train.py").write_text("print('ran')\n")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.run", "-n", "2", "--log-dir", "logs", "python", "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "bfexp-run: --log-dir logs is a file; allowed: a folder (made if missing) for the ranks' logs")
+    assert (tmp_path / "logs").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--hosts"], "--hosts needs a value"), (["--rate", "0bit"], "--rate 0bit; allowed: a tc rate above 0"),
+    (["--cpu", "1000"], "--cpu 1000; allowed: a number of cores above 0 and at most"),
+    (["--cpu", "-1"], "--cpu -1; allowed"), (["--hosts", "9"], "--hosts 9; allowed: 1 to 8"),
+])
+def test_cluster_local_checks_its_options_before_it_makes_anything(args, said):
+    """scripts/cluster_local.sh up with a bad value: exit 2 and one line, before any namespace, sshd or Slurm
+    exists (checked here as any user: the checks come before its need for root)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cluster_local.sh"
+    proc = subprocess.run(["bash", str(script), "up", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -38,6 +38,7 @@ in the one-line ``key=value; allowed: ...`` form.
 from __future__ import annotations
 
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping
@@ -536,9 +537,11 @@ def _load(path: Path, size: int) -> list[_Entries]:
                     mats = [scipy.sparse.load_npz(path)]
                 else:
                     mats = [z[k] for k in z.files]
-    except (OSError, ValueError) as e:
-        raise TopologyError(f"topology.path={name} cannot be read as a matrix ({str(e).splitlines()[0]}); "
-                            f"allowed: {FILE_KINDS}") from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        if "allow_pickle" in why:  # numpy's words point at loading it unsafely: bfexp reads numbers only
+            why = "it holds Python objects, not numbers, and a graph file runs no code"
+        raise TopologyError(f"topology.path={name} cannot be read as a matrix ({why}); allowed: {FILE_KINDS}") from None
     entries = _read(mats, name) if len(mats) > 1 else _read(mats[0], name)
     for e in entries:
         if e.size != size:
@@ -583,6 +586,9 @@ def _read_edge_list(path: Path, size: int) -> _Entries:
         rows.append((u, v))
         weights.append(w)
     nodes = {x for pair in rows for x in pair}
+    if not rows:  # its advice would be ranks=0, itself refused
+        raise TopologyError(f"topology.path={path.name} names no edge; allowed: lines `src dst [weight]` over ranks "
+                            f"0..{size - 1} (ranks={size}), e.g. `0 1`")
     if max(nodes, default=-1) + 1 != size:
         raise TopologyError(f"topology.path={path.name} names ranks 0..{max(nodes, default=-1)}; "
                             f"allowed: ranks={max(nodes, default=-1) + 1} (or a file over ranks 0..{size - 1})")
