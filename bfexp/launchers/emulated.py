@@ -176,11 +176,18 @@ class Emulated(Mpirun):
             find_mpiexec()
             return
         here = shlex.quote(os.getcwd())
-        probe = " ".join(f'{{ ssh -o BatchMode=yes -o ConnectTimeout=5 {h} "test -d {here} || echo {NOT_SHARED}" '
-                         f'|| echo unreachable; }} | sed "s/^/{h} /" &' for h in used) + " wait"
-        answers = self.from_first_host(probe, 30).stdout.split("\n")
-        for line in answers:
+        probe = " ".join(f'{{ ssh -o BatchMode=yes -o ConnectTimeout=5 {h} "test -d {here} && echo ok || echo '
+                         f'{NOT_SHARED}" || echo unreachable; }} | sed "s/^/{h} /" &' for h in used) + " wait"
+        done = self.from_first_host(probe, 30)
+        answers = [line for line in done.stdout.split("\n") if line.strip()]
+        if not answers and not self.on_a_host():  # the first host could not even enter the folder to ask
+            raise LaunchError(f"launcher=emulated: host {hosts[0]} does not see the working folder {os.getcwd()} "
+                              "(each host's /tmp is its own); allowed: a folder outside /tmp, e.g. /var/tmp")
+        answered = {line.partition(" ")[0] for line in answers}
+        for line in answers + [f"{h} unreachable" for h in used if h not in answered]:
             host, _, why = line.partition(" ")
+            if why == "ok":
+                continue
             if why == NOT_SHARED:
                 raise LaunchError(f"launcher=emulated: host {host} does not see the working folder {os.getcwd()} "
                                   "(each host's /tmp is its own); allowed: a folder outside /tmp, e.g. /var/tmp")
