@@ -176,6 +176,20 @@ def test_a_working_folder_other_hosts_cannot_see_is_refused_before_any_rank_star
         shutil.rmtree(private, ignore_errors=True)
 
 
+def test_emulated_from_a_folder_the_hosts_cannot_see_reshapes_nothing(tmp_path):
+    """launcher=emulated started in this machine's own /tmp (the hosts each have theirs): refused, exit 3, naming
+    the folder, before the hosts' links or quotas change (issue 44: the probe's failed cd went unnoticed, the
+    live cluster was reshaped to the job's rate, then the job failed)."""
+    shape = {p.name: p.read_text() for p in STATE.glob("rate.*")} | {p.name: p.read_text() for p in STATE.glob("cpu.*")}
+    proc = subprocess.run([str(BIN / "bfexp"), "launcher=emulated", "launcher.link_rate=7mbit", "launcher.cpu=0.3",
+                           "ranks=2", "steps=2", "hydra.run.dir=run"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"does not see the working folder {tmp_path}" in proc.stderr, proc.stderr
+    assert {p.name: p.read_text() for p in STATE.glob("rate.*")} | \
+        {p.name: p.read_text() for p in STATE.glob("cpu.*")} == shape
+
+
 MACHINE_OPS = r"""
 import json, socket, sys
 import torch
