@@ -39,6 +39,7 @@ from bfexp.comm.engine import Engine
 from bfexp.comm.stacked import StackedData, StackedModel, StackedSampler
 from bfexp.data import BatchSampler, RankData
 from bfexp.heterogeneity import Heterogeneity, Pace
+from bfexp.schema import Settings
 from bfexp.torch_internals import defer_dynamo
 from bfexp.metrics import (EvalSchedule, StepTimer, consensus_distance, cross_entropy, evaluate, gather_floats,
                            global_mean, held_out, model_input, perplexity, rank_value)
@@ -127,8 +128,10 @@ class Built:
         return self.data.shards[0] if isinstance(self.data, StackedData) else self.data
 
 
-def build(cfg: Any, engine: Engine, *, with_data: bool = True, plan: Plan | None = None) -> Built:
-    """A rank's data shard, model, local optimizer and algorithm on its topology, as the config names them.
+def build(settings: Settings, engine: Engine, *, dataset: Any, model: Any, optimizer: Any, algorithm: Any,
+          topology: Any, with_data: bool = True, plan: Plan | None = None) -> Built:
+    """A rank's data shard, model, local optimizer and algorithm on its topology, as their nodes name them
+    (``settings``: the run's dtype and seed).
 
     The algorithm, topology and engine are put together by bfexp.assembly, as the
     library and BlueFog's layer put them together (the driver printed its notes).
@@ -136,40 +139,40 @@ def build(cfg: Any, engine: Engine, *, with_data: bool = True, plan: Plan | None
     sample shape and loads no data. ``plan``: the driver's plan of the job (bfexp.plan), which this
     build must match (PlanMismatch names the difference).
     """
-    dtype = DTYPES[cfg.dtype]
-    dataset = config.build(cfg.dataset, "dataset")
+    dtype = DTYPES[settings.dtype]
+    source = config.build(dataset, "dataset")
     if with_data and engine.stacked:  # every rank's shard, read and split once
-        data = StackedData(dataset.load_ranks(engine.size, cfg.seed))
+        data = StackedData(source.load_ranks(engine.size, settings.seed))
         in_shape, classes = tuple(data.train_x.shape[1:]), data.classes
     elif with_data:
-        data = dataset.load(engine.rank, engine.size, cfg.seed)
+        data = source.load(engine.rank, engine.size, settings.seed)
         in_shape, classes = tuple(data.train_x.shape[1:]), data.classes
         mark(engine, "build: data shard")
     else:
         data = None
-        in_shape, classes = sample_shape(cfg.model, dataset)
+        in_shape, classes = sample_shape(model, source)
     device = getattr(engine, "device", None) or torch.device("cpu")  # GPU engines name the rank's device
 
     def make_rank_model() -> torch.nn.Module:
-        return build_model(cfg.model, in_shape, classes, cfg.seed, dtype).to(device)
+        return build_model(model, in_shape, classes, settings.seed, dtype).to(device)
 
     def make_model() -> torch.nn.Module:  # stacked: every rank's copy of the same start as one module
         return StackedModel(make_rank_model(), engine.size) if engine.stacked else make_rank_model()
 
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
-        return config.build(cfg.optimizer, "optimizer")(params)
+        return config.build(optimizer, "optimizer")(params)
 
-    model = make_model()
+    module = make_model()
     if plan is not None:
-        plan.confirm(in_shape, classes, rank_numel(model))
-    made = assemble(cfg.algorithm, make_optimizer(model.parameters()), engine, cfg.topology, model=model,
+        plan.confirm(in_shape, classes, rank_numel(module))
+    made = assemble(algorithm, make_optimizer(module.parameters()), engine, topology, model=module,
                     throughput_only=not with_data)
-    optimizer = made.optimizer
-    net = optimizer.module if optimizer.module is not None else model  # ddp: the DDP wrapper
-    if getattr(type(optimizer), "asynchronous", False):  # virtual ranks: window ops in simulated-clock order
+    wrapper = made.optimizer
+    net = wrapper.module if wrapper.module is not None else module  # ddp: the DDP wrapper
+    if getattr(type(wrapper), "asynchronous", False):  # virtual ranks: window ops in simulated-clock order
         engine.schedule()
-    tokens = data.tokens if data is not None else bool(getattr(dataset, "tokens", False))
-    return Built(made.topology, data, model, optimizer, net, make_model, make_optimizer, in_shape, classes, dtype,
+    tokens = data.tokens if data is not None else bool(getattr(source, "tokens", False))
+    return Built(made.topology, data, module, wrapper, net, make_model, make_optimizer, in_shape, classes, dtype,
                  device, made.notes, tokens, make_rank_model)
 
 
@@ -185,8 +188,9 @@ def rank_numel(model: torch.nn.Module) -> int:
     return model.rank_numel if isinstance(model, StackedModel) else sum(p.numel() for p in model.parameters())
 
 
-def is_baseline(cfg: Any) -> bool:
-    return config.label(cfg.algorithm) == BASELINE
+def is_baseline(algorithm: Any) -> bool:
+    """Whether the algorithm (its node) is the baseline (allreduce)."""
+    return config.label(algorithm) == BASELINE
 
 
 # ---------------------------------------------------------------- the training loop
@@ -201,40 +205,54 @@ class Trained:
     parameters: torch.Tensor
 
 
-def train(cfg: Any, engine: Engine, run_dir: Path) -> Trained:
-    """Train one rank's model; rank 0 writes metrics.jsonl and summary.json."""
-    return Training(cfg, engine, run_dir).run()
+def train(settings: Settings, engine: Engine, run_dir: Path, **parts: Any) -> Trained:
+    """Train one rank's model; rank 0 writes metrics.jsonl and summary.json. ``parts``: the sections Training reads."""
+    return Training(settings, engine, run_dir, **parts).run()
 
 
 class Training:
     """One rank's training job, read top to bottom: ``__init__`` builds it (or restores it from the run
-    folder's checkpoint), ``run`` is the loop, ``log`` a logging step, ``summary`` what it reports."""
+    folder's checkpoint), ``run`` is the loop, ``log`` a logging step, ``summary`` what it reports.
 
-    def __init__(self, cfg: Any, engine: Engine, run_dir: Path) -> None:
-        self.cfg, self.engine, self.run_dir = cfg, engine, run_dir
+    It reads the run's ``settings`` and the components' nodes: the dataset, model, optimizer, algorithm and
+    topology it builds, the heterogeneity node (stragglers), the scaling node (the single-rank reference and
+    the figures), the engine's and the launcher's nodes (where the ranks ran); the job's ``identity``
+    (summary.job_identity) heads its summary, and ``experiment`` (checkpoint.experiment) is what its
+    checkpoints are valid for."""
+
+    def __init__(self, settings: Settings, engine: Engine, run_dir: Path, *, identity: dict, experiment: dict,
+                 dataset: Any, model: Any, optimizer: Any, algorithm: Any, topology: Any, heterogeneity: Any,
+                 scaling_node: Any, engine_node: Any, launcher: Any) -> None:
+        self.settings, self.engine, self.run_dir = settings, engine, run_dir
+        self.identity, self.heterogeneity_node = identity, heterogeneity
+        # what the figures after training read (job_figures)
+        self.figure_nodes = {"algorithm": algorithm, "model": model, "scaling_node": scaling_node,
+                             "engine_node": engine_node, "launcher": launcher}
         self.started = time.perf_counter()
-        self.job = job = build(cfg, engine, plan=Plan.read(run_dir))
+        self.job = job = build(settings, engine, dataset=dataset, model=model, optimizer=optimizer, algorithm=algorithm,
+                               topology=topology, plan=Plan.read(run_dir))
         mark(engine, "build: model, optimizer, algorithm")
         data = job.data
-        self.sampler = (StackedSampler(data, cfg.batch_size, cfg.seed) if isinstance(data, StackedData)
-                        else BatchSampler(data, cfg.batch_size, cfg.seed, engine.rank))
-        self.steps = steps = config.total_steps(config.Settings.of(cfg), data.global_train_size, engine.size)
+        self.sampler = (StackedSampler(data, settings.batch_size, settings.seed) if isinstance(data, StackedData)
+                        else BatchSampler(data, settings.batch_size, settings.seed, engine.rank))
+        self.steps = steps = config.total_steps(settings, data.global_train_size, engine.size)
         self.timer = StepTimer(warmup=min(3, steps // 4), cuda=job.device.type == "cuda")
         # Stragglers (bfexp.heterogeneity): a rank's extra time per step, or its simulated compute time.
-        self.heterogeneity = config.build(cfg.heterogeneity, "heterogeneity") if cfg.get("heterogeneity") else Heterogeneity()
+        self.heterogeneity = config.build(heterogeneity, "heterogeneity") if heterogeneity else Heterogeneity()
         # The single-rank reference: from the cache, or measured in rounds between the timed training steps
         # (a 1-rank job at an even pace is its own: its steps are the reference's).
-        self.single = reference(cfg, engine, job, BatchSampler(job.rank_data(), cfg.batch_size, cfg.seed + 1, engine.rank).next,
-                                steps=steps, first=self.timer.warmup + 1,
+        self.single = reference(engine, job,
+                                BatchSampler(job.rank_data(), settings.batch_size, settings.seed + 1, engine.rank).next,
+                                algorithm=algorithm, model=model, optimizer=optimizer, scaling_node=scaling_node,
+                                dtype=settings.dtype, steps=steps, first=self.timer.warmup + 1,
                                 own_steps=engine.size == 1 and not self.heterogeneity.active)
         mark(engine, "single-rank reference: cache look-up")
         self.test = held_out(model_input(data.test_x.to(job.device), job.dtype), data.test_y.to(job.device),
-                             cfg.get("eval_subset"))
+                             settings.eval_subset)
         # A checkpoint in the run folder (a resumed run): continue from its step, bit for bit, with the
         # loop's own state: the logging window's sums, the last record, the bytes this rank's training
         # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
-        self.checkpoints = checkpointer.Checkpointer(cfg.get("checkpoint_every", 0), checkpoint.experiment(cfg), engine,
-                                                     run_dir)
+        self.checkpoints = checkpointer.Checkpointer(settings.checkpoint_every, experiment, engine, run_dir)
         resumed = self.checkpoints.restore(job.model, job.optimizer, self.sampler)
         self.first = resumed["step"] + 1
         self.interval_loss, self.interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
@@ -242,19 +260,19 @@ class Training:
         self.bytes_sent = resumed.get("bytes_sent", 0)
         self.elapsed_before = resumed.get("elapsed_s", 0.0)
         # Held-out evaluation: at eval_every, or as often as eval_budget of the training time allows (bfexp.metrics).
-        self.evals = EvalSchedule(cfg.get("eval_every"), cfg.get("eval_budget", 0.1), cfg.log_every,
+        self.evals = EvalSchedule(settings.eval_every, settings.eval_budget, settings.log_every,
                                   len(self.test[1]), self.sampler.batch_size)
         self.evals.time_s, self.last_eval = resumed.get("eval_time_s", 0.0), resumed.get("last_eval", {})
         # Time to accuracy: this rank's training time, simulated (virtual ranks' clocks) or measured
         # (wall seconds inside its training steps, straggler sleeps included).
-        self.pace = self.heterogeneity.pace(engine, int(cfg.seed), first_step=self.first)
+        self.pace = self.heterogeneity.pace(engine, int(settings.seed), first_step=self.first)
         self.clock = TrainClock(engine, resumed.get("time_s", 0.0))
         # A time budget (bfexp.budget): `steps` is then the most a rank runs. Synchronous ranks pull the
         # last step in where they agree the budget ends; asynchronous ones train without lockstep.
-        self.budget_s = None if cfg.get("budget_s") is None else float(cfg.budget_s)
+        self.budget_s = None if settings.budget_s is None else float(settings.budget_s)
         self.last = steps
         self.budget_mark = (self.first - 1, self.clock.now_s())  # (step, time) the pace is measured from
-        self.unlocked = config.no_lockstep(config.Settings.of(cfg), cfg.algorithm)
+        self.unlocked = config.no_lockstep(settings, algorithm)
         self.ended = "steps"  # what ended training: steps, budget, stop, diverged
         self.resumed = resumed  # an asynchronous budget run's own state: its place at the cut, its copies
         self.cgroup: Path | None = None  # a CPU-starved rank's cgroup (heterogeneity.cpu_quota)
@@ -307,7 +325,7 @@ class Training:
         """After the first training step (start-up and the first step's one-time costs at full speed):
         a slow process rank under heterogeneity.cpu_quota moves into its own CPU-quota cgroup."""
         if step == self.first and self.cgroup is None:
-            self.cgroup = starve(self.cfg, self.engine, self.run_dir)
+            self.cgroup = starve(self.heterogeneity_node, self.engine, self.run_dir)
 
     def speed_up(self) -> None:
         """Training is over: a CPU-starved rank leaves its cgroup, which goes (bfexp.cgroups), so that the
@@ -332,13 +350,12 @@ class Training:
         return loss
 
     def run_locked(self) -> Trained:
-        cfg, engine, job, optimizer, sampler, timer = self.cfg, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
+        settings, engine, job, optimizer, sampler, timer = self.settings, self.engine, self.job, self.job.optimizer, self.sampler, self.timer
         status, error, loss = results.COMPLETED, None, None
         step = self.first - 1
         for step in range(self.first, self.steps + 1):
             # the heartbeat; an injected fault (fail_rank, fail_step, fail_mode)
-            watchdog.at_step(engine, step, cfg.get("fail_rank"), cfg.get("fail_step"),
-                             cfg.get("fail_mode", "raise"))
+            watchdog.at_step(engine, step, settings.fail_rank, settings.fail_step, settings.fail_mode)
             loss = self.timed_step()
             self.interval_loss += rank_value(loss)
             self.interval_n += 1
@@ -356,8 +373,8 @@ class Training:
                 continue
             stop = self.log(step)
             train_loss = self.record["loss"]
-            if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
-                status, error = results.DIVERGED, f"loss {train_loss:.4g} at step {step} (divergence_loss={cfg.divergence_loss:g})"
+            if not math.isfinite(train_loss) or train_loss > settings.divergence_loss:
+                status, error = results.DIVERGED, f"loss {train_loss:.4g} at step {step} (divergence_loss={settings.divergence_loss:g})"
                 break
             if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state(), stop=stop > 0):
                 status, error = results.INTERRUPTED, self.stopped(step)
@@ -451,14 +468,14 @@ class Training:
         reaches the budget, writes its own records and evaluates its model by its clock, with no
         collective; the ranks meet only once training is over (and a stop request reaches each rank
         through the run folder)."""
-        cfg, engine, optimizer, sampler, timer = self.cfg, self.engine, self.job.optimizer, self.sampler, self.timer
+        settings, engine, optimizer, sampler, timer = self.settings, self.engine, self.job.optimizer, self.sampler, self.timer
         assert self.budget_s is not None
         limit = self.budget_s * (1 + 1e-12)  # a clock summed from step times may land a rounding past it
         simulated = self.clock.simulated
         resumed = self.checkpoints.step > 0
         records = budget.RankRecords(self.run_dir, engine.rank, kept_step=self.first - 1 if resumed else None)
         cut = budget.Cut(self.run_dir, engine.rank, simulated)
-        times = budget.eval_times(self.budget_s, cfg.get("eval_every_s"))
+        times = budget.eval_times(self.budget_s, settings.eval_every_s)
         next_eval = int(self.resumed.get("next_eval", 0))
         copies: list[torch.Tensor] = list(self.resumed.get("copies", []))
         if "held_parameters" in self.resumed:  # the model as the rank held it at the cut, before the settling
@@ -470,8 +487,7 @@ class Training:
         status, error, loss = results.COMPLETED, None, None
         step, end_s = self.first - 1, None
         while step < self.steps:
-            watchdog.at_step(engine, step + 1, cfg.get("fail_rank"), cfg.get("fail_step"),
-                             cfg.get("fail_mode", "raise"))
+            watchdog.at_step(engine, step + 1, settings.fail_rank, settings.fail_step, settings.fail_mode)
             before = self.clock.now_s()
             if simulated:  # the step takes effect at the time its cost brings the clock to
                 self.pace.pay_ahead()
@@ -489,16 +505,16 @@ class Training:
             self.interval_n += 1
             self.slow_down(step)
             now = self.clock.now_s()
-            if step % cfg.log_every == 0:
+            if step % settings.log_every == 0:
                 train_loss = self.interval_loss / self.interval_n
                 self.interval_loss, self.interval_n = 0.0, 0
                 self.record = {"step": step, "epoch": round(sampler.epoch_progress(), 4), "loss": train_loss,
                                "time_s": now, "step_time_s": timer.take_window(), "bytes_sent": self.bytes_sent,
                                "elapsed_s": self.elapsed(), "time_source": engine.time_source}
                 records.write("train", **self.record)
-                if not math.isfinite(train_loss) or train_loss > cfg.divergence_loss:
+                if not math.isfinite(train_loss) or train_loss > settings.divergence_loss:
                     status, error = results.DIVERGED, (f"loss {train_loss:.4g} at step {step} on rank {engine.rank} "
-                                                       f"(divergence_loss={cfg.divergence_loss:g})")
+                                                       f"(divergence_loss={settings.divergence_loss:g})")
                     self.ended = results.DIVERGED
                     break
             while next_eval < len(times) and now >= times[next_eval]:
@@ -599,11 +615,11 @@ class Training:
     def summary(self, status: str, error: str | None, step: int) -> dict:
         """The job's summary (collective): what it trained to, its costs, and (unless stopped to be resumed)
         its scaling figures."""
-        cfg, engine, job, timer, batch, record = self.cfg, self.engine, self.job, self.timer, self.sampler.batch_size, self.record
+        engine, job, timer, batch, record = self.engine, self.job, self.timer, self.sampler.batch_size, self.record
         step_time_s, comm_time_s, bytes_per_step, eval_time_s = global_mean(
             engine, timer.mean_step_s, timer.mean_blocked_s, self.bytes_sent / max(1, timer.steps), self.evals.time_s)
         uses_topology = type(job.optimizer).uses_topology
-        summary = job_identity(cfg, ranks=engine.size, engine=engine.name, batch_size=batch)
+        summary = {**self.identity, "ranks": engine.size, "engine": engine.name, "batch_size": batch}
         summary.update({
             # What the algorithm really ran on (exact diffusion may substitute an undirected form).
             "topology_used": job.topology.label if uses_topology else None,
@@ -641,8 +657,9 @@ class Training:
         if status == results.INTERRUPTED:  # stopped to be resumed: the run that finishes it measures the figures
             summary["checkpoint_step"] = step
         else:
-            summary.update(job_figures(cfg, engine, job, batch, timer, self.single.finish(timer.step_samples),
-                                       stop=self.stop_agreed))
+            summary.update(job_figures(self.settings, engine, job, batch, timer,
+                                       self.single.finish(timer.step_samples), stop=self.stop_agreed,
+                                       **self.figure_nodes))
             mark(engine, "scaling figures: reference rounds left, baseline probe")
         return summary
 
@@ -680,7 +697,7 @@ def component(node: Any) -> dict:
     return config.node_options(node) | {"_target_": str(node._target_)}
 
 
-def one_rank(cfg: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict]:
+def one_rank(algorithm: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict]:
     """The job's step on ONE rank with communication removed: the same algorithm wrapper on a
     1-rank engine, where every op takes the engine's single-rank path.
 
@@ -688,11 +705,11 @@ def one_rank(cfg: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict
     a virtual 1-rank world. An algorithm that cannot run on virtual ranks (ddp:
     torch.distributed already spans the job's ranks) is timed there with the
     allreduce wrapper, which averages gradients as it does. Returns the factory
-    and the node of the wrapper it times (part of the reference's key).
+    and the node of the wrapper it times (part of the reference's key). ``algorithm``: the job's node.
     """
     from bfexp.comm.threads import ThreadsEngine, ThreadWorld
 
-    node = cfg.algorithm
+    node = algorithm
     if engine.size > 1:
         try:
             config.target_of(node, "algorithm").check_run(ThreadsEngine, throughput_only=False, modeled=False)
@@ -711,79 +728,84 @@ def one_rank(cfg: Any, engine: Engine, job: Built) -> tuple[probes.Factory, dict
     return make, component(node)
 
 
-def reference(cfg: Any, engine: Engine, job: Built, batches: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-              steps: int = 0, first: int = 1, own_steps: bool = False) -> probes.SingleRankReference:
+def reference(engine: Engine, job: Built, batches: Callable[[], tuple[torch.Tensor, torch.Tensor]], *,
+              algorithm: Any, model: Any, optimizer: Any, scaling_node: Any, dtype: str, steps: int = 0,
+              first: int = 1, own_steps: bool = False) -> probes.SingleRankReference:
     """This job's single-rank reference, started (rank 0 has looked in the cache); measured rounds go
     between training steps ``first`` to ``steps``, the rest at ``finish``. ``batches`` gives a new
     mini-batch per call, as training's sampler does. ``own_steps``: the job's own steps are the
-    wrapper's samples (probes.SingleRankReference). Collective."""
+    wrapper's samples (probes.SingleRankReference). The reference's key: the algorithm's, model's and
+    optimizer's nodes and the ``dtype``; how it is kept and measured: the scaling node. Collective."""
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         bx, by = batches()
         return bx.to(job.device), by.to(job.device)
 
     x, _ = next_batch()
-    alone, wrapper = one_rank(cfg, engine, job)
-    threads = scaling.reference_threads(cfg.scaling.reference_threads, scaling.processor_count())
+    alone, wrapper = one_rank(algorithm, engine, job)
+    threads = scaling.reference_threads(scaling_node.reference_threads, scaling.processor_count())
     key = probes.reference_key(
-        model=component(cfg.model), optimizer=component(cfg.optimizer), wrapper=wrapper, sample_shape=job.in_shape,
-        classes=job.classes, batch=x.shape[0], dtype=cfg.dtype, device=probes.device_name(x.device), threads=threads,
+        model=component(model), optimizer=component(optimizer), wrapper=wrapper, sample_shape=job.in_shape,
+        classes=job.classes, batch=x.shape[0], dtype=dtype, device=probes.device_name(x.device), threads=threads,
     )
 
     def plain() -> tuple[torch.nn.Module, Any]:  # a plain torch loop: the bare optimizer, no wrapper
-        model = job.rank_model()
-        return model, job.make_optimizer(model.parameters())
+        net = job.rank_model()
+        return net, job.make_optimizer(net.parameters())
 
     # Stacked ranks are one program: rank 0's decisions are every rank's, shared on a world of one.
     single = probes.SingleRankReference(
         engine.coordinator() if engine.stacked else engine, train_step, alone=alone, plain=plain, next_batch=next_batch, key=key,
-        directory=probes.cache_dir(cfg.scaling.reference_cache), policy=str(cfg.scaling.reference),
-        margin=float(cfg.scaling.reference_load_margin), rounds=int(cfg.scaling.reference_steps), threads=threads,
+        directory=probes.cache_dir(scaling_node.reference_cache), policy=str(scaling_node.reference),
+        margin=float(scaling_node.reference_load_margin), rounds=int(scaling_node.reference_steps), threads=threads,
         steps=steps, first=first, job_alone=engine.size == 1, own_steps=own_steps,
     )
     single.start()
     return single
 
 
-def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTimer, single: dict,
-                stop: Callable[[], bool] | None = None) -> dict:
+def job_figures(settings: Settings, engine: Engine, job: Built, batch: int, timer: StepTimer, single: dict,
+                stop: Callable[[], bool] | None = None, *, algorithm: Any, model: Any, scaling_node: Any,
+                engine_node: Any, launcher: Any) -> dict:
     """Every scaling figure of a finished training job, each with its interval. Collective: every
     rank calls it; rank 0 gets the full dict (the others get the measured part). ``stop()``
-    (collective): whether the job was asked to stop meanwhile, which cuts the baseline probe short."""
+    (collective): whether the job was asked to stop meanwhile, which cuts the baseline probe short.
+    ``settings``: the run's (batch size, seed, baseline steps); the algorithm's, model's, scaling's, engine's
+    and launcher's nodes: what the cost model and the summary's scaling part read."""
     n = engine.size
     # a rule that communicates every H steps: timed over whole cycles (one rank communicates nothing, and is
     # its own reference at single steps)
     cycle = int(getattr(job.optimizer, "step_cycle", 1)) if n > 1 else 1
     timing = scaling.split_timing(*gather_floats(engine, *scaling.rank_timing(timer.step_samples, timer.blocked_samples,
                                                                               cycle)))
-    probe_sampler = (StackedSampler(job.data, cfg.batch_size, cfg.seed + 1) if isinstance(job.data, StackedData)
-                     else BatchSampler(job.data, cfg.batch_size, cfg.seed + 1, engine.rank))
+    probe_sampler = (StackedSampler(job.data, settings.batch_size, settings.seed + 1) if isinstance(job.data, StackedData)
+                     else BatchSampler(job.data, settings.batch_size, settings.seed + 1, engine.rank))
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         bx, by = probe_sampler.next()
         return bx.to(job.device), by.to(job.device)
 
-    own = is_baseline(cfg) or n == 1  # one rank: nothing to communicate, its own baseline
+    own = is_baseline(algorithm) or n == 1  # one rank: nothing to communicate, its own baseline
     baseline_timing = timing if own else None
-    probed = int(cfg.baseline_steps)
-    if not own and cfg.baseline_steps > 0:
+    probed = int(settings.baseline_steps)
+    if not own and settings.baseline_steps > 0:
         probe, probed = probes.baseline_probe(engine, train_step, job.make_model, job.make_optimizer, next_batch,
-                                              int(cfg.baseline_steps), stop)
+                                              int(settings.baseline_steps), stop)
         baseline_timing = scaling.split_timing(*gather_floats(engine, *probe))
     single_step = scaling.get(single, "step_time_s")
     measured = scaling.measured_figures(n, batch, timing, single_step, baseline_timing, own_baseline=own,
                                         source=scaling.measured_source(virtual=engine.virtual))
-    if not is_baseline(cfg):
+    if not is_baseline(algorithm):
         measured["baseline_steps"] = probed  # baseline_steps, or fewer when a stop signal came meanwhile
     modeled = None
     if engine.rank == 0:
         params = list(job.model.parameters())
-        modeled = modeled_block(cfg.scaling, cfg.algorithm, int(cfg.batch_size), n, rank_numel(job.model),
+        modeled = modeled_block(scaling_node, algorithm, int(settings.batch_size), n, rank_numel(job.model),
                                 params[0].element_size(), job.topology,
-                                *compute_speed(cfg.scaling, cfg.model, scaling.throughput_spread(1, batch, single_step)),
+                                *compute_speed(scaling_node, model, scaling.throughput_spread(1, batch, single_step)),
                                 layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
-    out = scaling_block(cfg.scaling, engine, measured, modeled, throughput_only=False, engine_node=cfg.engine,
-                        launcher=cfg.get("launcher"))
+    out = scaling_block(scaling_node, engine, measured, modeled, throughput_only=False, engine_node=engine_node,
+                        launcher=launcher)
     out.update(reference_fields(single))
     return out
 
@@ -791,28 +813,32 @@ def job_figures(cfg: Any, engine: Engine, job: Built, batch: int, timer: StepTim
 # ---------------------------------------------------------------- throughput-only jobs
 
 
-def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
+def throughput_only(settings: Settings, engine: Engine, run_dir: Path, *, identity: dict, dataset: Any, model: Any,
+                    optimizer: Any, algorithm: Any, topology: Any, scaling_node: Any, engine_node: Any,
+                    launcher: Any) -> dict:
     """Throughput-only on real (or virtual) ranks here: no training. The ranks time the
     algorithm's step and the baseline's on buffers of the model's real size with zero
     gradients (so only the local update and the communication run); compute comes
-    from the declared speed or the single-rank reference; the model prices the rest."""
+    from the declared speed or the single-rank reference; the model prices the rest. ``settings``: the
+    run's; ``identity``: the job's (summary.job_identity); then the components' nodes it builds and prices."""
     started = time.perf_counter()
-    n, batch = engine.size, int(cfg.batch_size)
-    job = build(cfg, engine, with_data=False, plan=Plan.read(run_dir))
-    steps = max(1, int(cfg.baseline_steps) or 10)
-    options = config.node_options(cfg.algorithm)
+    n, batch = engine.size, int(settings.batch_size)
+    job = build(settings, engine, dataset=dataset, model=model, optimizer=optimizer, algorithm=algorithm,
+                topology=topology, with_data=False, plan=Plan.read(run_dir))
+    steps = max(1, int(settings.baseline_steps) or 10)
+    options = config.node_options(algorithm)
     own = scaling.split_timing(*gather_floats(engine, *probes.communication_probe(engine, train_step, job.optimizer, steps)))
     base = None
-    if not is_baseline(cfg) and n > 1:
+    if not is_baseline(algorithm) and n > 1:
         fresh = job.make_model()
         baseline = Allreduce(job.make_optimizer(fresh.parameters()), engine)
         base = scaling.split_timing(*gather_floats(engine, *probes.communication_probe(engine, train_step, baseline, steps)))
-    declared = scaling.declared_speed(cfg.scaling, config.label(cfg.model))
+    declared = scaling.declared_speed(scaling_node, config.label(model))
     if declared:
         single: dict = {"source": "declared", "refreshed": None}
         scaling.put(single, "step_time_s", scaling.Spread.exact(batch / declared))
     else:
-        g = torch.Generator().manual_seed(cfg.seed)
+        g = torch.Generator().manual_seed(settings.seed)
 
         def batches() -> tuple[torch.Tensor, torch.Tensor]:  # random samples of the declared shape
             if job.tokens:  # random token ids, a target per position
@@ -820,29 +846,30 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
             return (torch.randn(batch, *job.in_shape, generator=g, dtype=job.dtype),
                     torch.randint(0, job.classes, (batch,), generator=g))
 
-        single = reference(cfg, engine, job, batches).finish()
+        single = reference(engine, job, batches, algorithm=algorithm, model=model, optimizer=optimizer,
+                           scaling_node=scaling_node, dtype=settings.dtype).finish()
     compute = scaling.get(single, "step_time_s")
-    backward = float(cfg.scaling.backward_fraction)
+    backward = float(scaling_node.backward_fraction)
     own_m = scaling.exchange_step(own, compute=compute, backward_fraction=backward,
                                   overlap=bool(options.get("overlap", True)), period=int(options.get("communication_period", 1)))
     if base is not None:
         base_m = scaling.exchange_step(base, compute=compute, backward_fraction=backward, overlap=True, period=1)
     else:
-        base_m = own_m if is_baseline(cfg) else None
+        base_m = own_m if is_baseline(algorithm) else None
     # The step is priced by the cost model from the measured exchange and compute: modeled.
-    measured = scaling.measured_figures(n, batch, own_m, compute, base_m, own_baseline=is_baseline(cfg), source="modeled")
+    measured = scaling.measured_figures(n, batch, own_m, compute, base_m, own_baseline=is_baseline(algorithm), source="modeled")
     measured["comm_measured_on"] = f"{n} {engine.name} ranks here, zero-gradient steps of the real model size"
     modeled = None
     if engine.rank == 0:
         params = list(job.model.parameters())
-        modeled = modeled_block(cfg.scaling, cfg.algorithm, int(cfg.batch_size), n, rank_numel(job.model),
+        modeled = modeled_block(scaling_node, algorithm, int(settings.batch_size), n, rank_numel(job.model),
                                 params[0].element_size(), job.topology,
-                                *compute_speed(cfg.scaling, cfg.model, scaling.throughput_spread(1, batch, compute)),
+                                *compute_speed(scaling_node, model, scaling.throughput_spread(1, batch, compute)),
                                 layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
-    summary = job_identity(cfg, ranks=n, engine=engine.name, batch_size=batch)
+    summary = {**identity, "ranks": n, "engine": engine.name, "batch_size": batch}
     summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
-    summary.update(scaling_block(cfg.scaling, engine, measured, modeled, throughput_only=True, engine_node=cfg.engine,
-                                 launcher=cfg.get("launcher")))
+    summary.update(scaling_block(scaling_node, engine, measured, modeled, throughput_only=True, engine_node=engine_node,
+                                 launcher=launcher))
     summary.update(reference_fields(single))
     summary["wall_time_s"] = time.perf_counter() - started
     if engine.rank == 0:
@@ -852,31 +879,42 @@ def throughput_only(cfg: Any, engine: Engine, run_dir: Path) -> dict:
 
 # ---------------------------------------------------------------- the kinds of job, in one place
 
-# kind -> what a rank runs for it (None: no rank starts; the driver calls `summary.modeled`).
-JOBS: dict[str, Callable[[Any, Engine, Path], Any] | None] = {"train": train, "throughput": throughput_only, "modeled": None}
+# kind -> what a rank runs for it (None: no rank starts; the driver calls `summary.modeled`), with the run's
+# Settings, the engine, the run folder and the sections ``run`` hands it.
+JOBS: dict[str, Callable[..., Any] | None] = {"train": train, "throughput": throughput_only, "modeled": None}
 
 
 def run(cfg: Any, engine: Engine, run_dir: Path) -> Any:
-    """What one rank does for a job (every engine's ranks come here)."""
+    """What one rank does for a job (every engine's ranks come here): the rank's entry point, the one place
+    that reads the whole config; it makes the run's Settings and hands the job its sections."""
     if cfg.engine.get("timeline", False) and engine.timeline is None:  # Chrome trace per rank (Perfetto)
         engine.timeline = Timeline(run_dir / "timeline" / f"rank{engine.rank}.json", engine.rank)
     timeout = float(cfg.get("timeout_s", 0) or 0)  # the driver's hang watchdog reads the heartbeat
     heartbeat = watchdog.Heartbeat(engine, run_dir, period_s=min(1.0, timeout / 4) if timeout else 1.0,
                                    timeout_s=timeout)
     try:
-        runner = JOBS[job_kind(cfg.throughput_only, cfg.scaling)]
+        settings = Settings.of(cfg)
+        kind = job_kind(settings.throughput_only, cfg.scaling)
+        runner = JOBS[kind]
         assert runner is not None, "modeled jobs start no rank"
-        return runner(cfg, engine, run_dir)
+        # the job's sections: its identity, the components' nodes; a training job's checkpoints' experiment and
+        # its stragglers' node too
+        parts = {"identity": job_identity(cfg), "dataset": cfg.dataset, "model": cfg.model, "optimizer": cfg.optimizer,
+                 "algorithm": cfg.algorithm, "topology": cfg.topology, "scaling_node": cfg.scaling,
+                 "engine_node": cfg.engine, "launcher": cfg.get("launcher")}
+        if kind == "train":
+            parts.update(experiment=checkpoint.experiment(cfg), heterogeneity=cfg.get("heterogeneity"))
+        return runner(settings, engine, run_dir, **parts)
     finally:
         heartbeat.close()
         if engine.timeline is not None:  # what happened, up to a failure too
             engine.timeline.save()
 
 
-def starve(cfg: Any, engine: Engine, run_dir: Path) -> Path | None:
-    """A slow process rank under heterogeneity.cpu_quota: into its own CPU-quota cgroup (bfexp.cgroups);
-    None for any other rank."""
-    node = cfg.get("heterogeneity") or {}
+def starve(heterogeneity: Any, engine: Engine, run_dir: Path) -> Path | None:
+    """A slow process rank under heterogeneity.cpu_quota (``heterogeneity``: the node, or None): into its own
+    CPU-quota cgroup (bfexp.cgroups); None for any other rank."""
+    node = heterogeneity or {}
     quota = node.get("cpu_quota")
     if quota is None or not engine.processes or engine.rank not in list(node.get("slow_ranks") or ()):
         return None

@@ -161,11 +161,13 @@ def bench_step(comm: Any, timer: Timer, repeats: int) -> dict:
     from bfexp.comm.mpi import MPIEngine
     from bfexp.data import BatchSampler
     from bfexp.models import build_model
+    from bfexp.schema import Settings
 
     MPI = _mpi()
     cfg = default_config()
     engine = MPIEngine()
-    job = worker.build(cfg, engine)
+    job = worker.build(Settings.of(cfg), engine, dataset=cfg.dataset, model=cfg.model, optimizer=cfg.optimizer,
+                       algorithm=cfg.algorithm, topology=cfg.topology)
     sampler = BatchSampler(job.data, cfg.batch_size, cfg.seed, engine.rank)
     batches = [sampler.next() for _ in range(64)]
     at = [0]

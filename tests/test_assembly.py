@@ -124,7 +124,7 @@ def _runner(algorithm: str, options: dict, topology: Any) -> tuple[list, list[st
 
     from bfexp import worker
     from bfexp.comm.threads import run_threads
-    from bfexp.config import register_configs
+    from bfexp.config import Settings, register_configs
 
     name = topology[0] if isinstance(topology, tuple) else "ring"
     register_configs()
@@ -142,7 +142,8 @@ def _runner(algorithm: str, options: dict, topology: Any) -> tuple[list, list[st
 
     def rank(engine: Any) -> tuple:
         def make() -> Any:
-            job = worker.build(cfg, engine, with_data=False)
+            job = worker.build(Settings.of(cfg), engine, dataset=cfg.dataset, model=cfg.model, optimizer=cfg.optimizer,
+                               algorithm=cfg.algorithm, topology=cfg.topology, with_data=False)
             notes.extend(job.notes)
             return job.optimizer
         return _outcome(make)

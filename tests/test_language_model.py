@@ -243,9 +243,9 @@ import json, sys
 from pathlib import Path
 from omegaconf import OmegaConf
 from bfexp.comm.mpi import MPIEngine
-from bfexp.worker import train
+from bfexp.worker import run
 config = Path(sys.argv[0]).with_name("config.yaml")
-trained = train(OmegaConf.load(config), MPIEngine(), config.parent / "mpi")
+trained = run(OmegaConf.load(config), MPIEngine(), config.parent / "mpi")  # a rank's entry: train
 emit({"loss": trained.loss, "parameters": trained.parameters.tolist()})
 """
 
@@ -254,7 +254,7 @@ emit({"loss": trained.loss, "parameters": trained.parameters.tolist()})
 def test_mpi_ranks_and_virtual_ranks_train_the_same_float64_numbers(tmp_path):
     """One spawn of 2 MPI ranks and 2 threads run the worker's real train for 4 steps of DSGD in float64."""
     from bfexp.comm.threads import run_threads
-    from bfexp.worker import train
+    from bfexp.worker import run
     from tests.mpi_helpers import run_ranks
     from tests.test_threads_equivalence import compose
 
@@ -266,7 +266,7 @@ def test_mpi_ranks_and_virtual_ranks_train_the_same_float64_numbers(tmp_path):
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        threads = run_threads(2, lambda e: train(OmegaConf.load(tmp_path / "config.yaml"), e, tmp_path / "threads"))
+        threads = run_threads(2, lambda e: run(OmegaConf.load(tmp_path / "config.yaml"), e, tmp_path / "threads"))
     finally:
         torch.set_num_threads(saved)
     diffs = []

@@ -329,7 +329,7 @@ def train_both(tmp_path, overrides: list[str], ranks: int = 4, steps: int = STEP
     difference of any rank's final parameters, the two summaries)."""
     from omegaconf import OmegaConf
 
-    from bfexp.worker import train
+    from bfexp.worker import run
     from tests.test_threads_equivalence import compose
 
     cfg = compose(overrides + [f"ranks={ranks}", f"steps={steps}", "model=mlp", "dataset=digits", "dtype=float64",
@@ -337,8 +337,8 @@ def train_both(tmp_path, overrides: list[str], ranks: int = 4, steps: int = STEP
     cfg = OmegaConf.create(OmegaConf.to_yaml(cfg, resolve=True))
     (tmp_path / "threads").mkdir()
     (tmp_path / "stacked").mkdir()
-    threads = run_threads(ranks, lambda engine: train(cfg, engine, tmp_path / "threads"))
-    stacked = train(cfg, StackedEngine(size=ranks), tmp_path / "stacked")
+    threads = run_threads(ranks, lambda engine: run(cfg, engine, tmp_path / "threads"))
+    stacked = run(cfg, StackedEngine(size=ranks), tmp_path / "stacked")
     want = torch.stack([t.parameters for t in threads], -1)
     return (want - stacked.parameters).abs().max(), threads[0].summary, stacked.summary
 

@@ -66,11 +66,11 @@ from omegaconf import OmegaConf
 
 from bfexp.comm.engine import CommError
 from bfexp.topology import Exp2, OnePeerExp2
-from bfexp.worker import train
+from bfexp.worker import run
 
 
 def train_case(engine, config, run_dir):
-    trained = train(OmegaConf.load(config), engine, Path(run_dir))
+    trained = run(OmegaConf.load(config), engine, Path(run_dir))  # a rank's entry: the worker's train
     return {"loss": trained.loss, "parameters": trained.parameters.tolist()}
 
 
