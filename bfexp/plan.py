@@ -20,6 +20,7 @@ instead of training something nobody planned.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -103,7 +104,7 @@ def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: b
     from omegaconf import open_dict
 
     from bfexp.config import Settings, job_kind, launcher_of
-    from bfexp.preflight import AUTO_READS, check_engine, resolve_engine
+    from bfexp.preflight import AUTO_READS, check_engine, check_memory, resolve_engine
 
     settings = Settings.of(cfg)
     kind, choice = job_kind(settings.throughput_only, cfg.scaling), None
@@ -115,6 +116,8 @@ def make_plan(cfg: Any, *, launcher: Any = None, here: bool = True, preflight: b
                 cfg.engine = engine
         launcher = launcher or launcher_of(cfg.get("launcher"))
         check_placement(cfg.engine, launcher, cfg.get("launcher"))
+        if here:  # the ranks alone, before their topology or data is built: ranks=10**7 ends here
+            check_memory(cfg.engine, int(settings.ranks), launcher)
         if placed is not None:
             placed(cfg.engine, launcher)
         if preflight:
@@ -193,8 +196,9 @@ def dry_build(settings: Settings, kind: str, launcher: Any, here: bool, *, algor
                               ranks_per_machine=placed)
     dataset_target, _ = check_node(dataset, "dataset")
     data = _guarded("dataset", dataset_target, lambda: build(dataset, "dataset"))
+    samples = 0.0  # a rank's shard, on average (for the memory check)
     if not settings.throughput_only:  # batches and held-out samples against what the data set holds
-        more, steps = check_data(settings, data, label(dataset))
+        more, steps, samples = check_data(settings, data, label(dataset))
         notes.extend(more)
     model_target, _ = check_node(model, "model", runtime=("in_shape", "in_features", "classes"))
     in_shape, classes = _guarded("model", model_target, lambda: sample_shape(model, data))
@@ -205,7 +209,9 @@ def dry_build(settings: Settings, kind: str, launcher: Any, here: bool, *, algor
     finfo = torch.finfo(getattr(torch, settings.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
     number_in("lr", settings.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {settings.dtype})")
     if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
-        check_memory(engine, int(settings.ranks), launcher, int(parameters), getattr(torch, settings.dtype).itemsize)
+        sample_bytes = 4 * math.prod(int(d) for d in fed[0]) + 8  # float32 (or int) features and a label
+        check_memory(engine, int(settings.ranks), launcher, int(parameters), getattr(torch, settings.dtype).itemsize,
+                     int(samples * sample_bytes))
     optimizer_target, optimizer_options = check_node(optimizer, "optimizer", runtime=("params",))
     check_optimizer_options(optimizer_options)
     _guarded("optimizer", optimizer_target,
@@ -266,13 +272,14 @@ def _engine_and_cluster(settings: Settings, modeled: bool, in_shape: tuple[int, 
         raise ConfigError(missing_speed_message(scaling, label(model)))
 
 
-def check_data(settings: Settings, dataset: Any, name: str) -> tuple[list[str], int | None]:
+def check_data(settings: Settings, dataset: Any, name: str) -> tuple[list[str], int | None, float]:
     """batch_size and eval_subset against the data set's split at this job's ranks (``Dataset.sizes``; its
     files are read here, so a malformed one is named before any rank starts). A batch larger than every
     rank's shard is refused: no rank could draw it, and the run would not be the one asked for (torch's
     DataLoader silently shortens it). Larger than some shards only (an uneven split): those ranks draw their
     whole shard per step, and a note says so. Returns the notes and the steps the job runs (``epochs``
-    counts them from the split; None: a data set that cannot say before its ranks load it). ``dataset``: the
+    counts them from the split; None: a data set that cannot say before its ranks load it) and a rank's
+    samples on average (0 where the data set cannot say). ``dataset``: the
     built data set; ``name``: its option's (the messages')."""
     from bfexp.config import total_steps
     from bfexp.errors import ConfigError
@@ -280,7 +287,7 @@ def check_data(settings: Settings, dataset: Any, name: str) -> tuple[list[str], 
     try:
         shards, held_out = dataset.sizes(int(settings.ranks), int(settings.seed))
     except NotImplementedError:  # a user's data set that overrides load() only: its ranks say
-        return [], None if settings.epochs is not None else int(settings.steps)
+        return [], None if settings.epochs is not None else int(settings.steps), 0.0
     steps = total_steps(settings, sum(shards), int(settings.ranks))
     where = f"dataset={name} at ranks={settings.ranks}"
     if settings.batch_size > max(shards):
@@ -290,8 +297,9 @@ def check_data(settings: Settings, dataset: Any, name: str) -> tuple[list[str], 
     if settings.eval_subset is not None and settings.eval_subset > held_out:
         raise ConfigError(f"eval_subset={settings.eval_subset} exceeds the {held_out} held-out samples of {where}; "
                           f"allowed: an integer in [1, {held_out}] or null (all of them)")
+    samples = sum(shards) / max(1, len(shards))
     if not short:
-        return [], steps
+        return [], steps, samples
     return [f"batch_size={settings.batch_size} exceeds the shard of rank(s) {', '.join(map(str, short[:8]))}"
             f"{' ...' if len(short) > 8 else ''} ({min(shards)} samples at least, {where}): they train on their "
-            "whole shard each step"], steps
+            "whole shard each step"], steps, samples

@@ -23,14 +23,18 @@ __all__ = ["AUTO_READS", "available_memory", "check_engine", "check_even", "chec
 # The components whose nodes engine=auto's choice reads (``choose_engine``: whether the job stacks).
 AUTO_READS = ("algorithm", "scaling", "model", "dataset", "optimizer", "heterogeneity")
 
-# Memory one rank needs besides its model: a process with torch and mpi4py imported (about 230 MB
-# resident here), or a virtual rank's thread, engine and data shard (the default experiment's 128
-# virtual ranks take about 0.4 GB in all, the process alone 0.25); each rounded up. A rank holds
-# its model about MODEL_COPIES times: parameters, gradients, the local optimizer's and the
-# algorithm's buffers.
+# Memory one rank needs besides its model and data, measured here as the growth of a job's peak with its
+# ranks (tests/test_memory.py holds the estimate within 2x of it): a process with torch and mpi4py imported
+# (about 230 MB resident); a virtual rank's thread, engine and buffers (16 to 256 threads of the default job:
+# 0.6 to 0.84 MB a rank, 0.2 of it its data); a stacked rank's slice of the batched program (500 to 8,000
+# stacked ranks: 237 to 241 KB a rank, 0.2 of it its data). A rank holds its model about MODEL_COPIES times
+# (parameters, gradients, the local optimizer's and the algorithm's buffers) and its data shard about
+# DATA_COPIES times (the data set's arrays, the tensors made from them, a batch's copy).
 PROCESS_RANK_BYTES = 250 * 2**20
-THREAD_RANK_BYTES = 2 * 2**20
+THREAD_RANK_BYTES = 640 * 2**10
+STACKED_RANK_BYTES = 96 * 2**10
 MODEL_COPIES = 4
+DATA_COPIES = 3
 
 
 def available_memory() -> int | None:
@@ -53,29 +57,38 @@ def _size(n: float) -> str:
     return f"{n:.3g} TiB"
 
 
-def check_memory(engine_node: Any, ranks: int, launcher: Launcher, parameters: int, element_bytes: int) -> None:
-    """The job's memory check (``memory_fits``): its engine node, ranks, launcher and model size."""
-    from bfexp.comm import engine_class
+def check_memory(engine_node: Any, ranks: int, launcher: Launcher, parameters: int = 0, element_bytes: int = 4,
+                 data_bytes: int = 0) -> None:
+    """The job's memory check (``memory_fits``): its engine node, ranks, launcher, model size and one rank's
+    data shard in bytes. With no model and data (the plan's first check, before the topology is built) it
+    refuses what the ranks alone cannot fit: ranks=10**7 is refused before anything is built for them."""
+    from bfexp.comm import engine_facts
 
-    engine = engine_class(engine_node)
+    engine = engine_facts(engine_node)
     ranks = int(ranks)
     here = ranks if not engine.processes else launcher.ranks_per_host(ranks)
-    memory_fits(engine, ranks, here, parameters * element_bytes)
+    memory_fits(engine, ranks, here, parameters * element_bytes, data_bytes)
 
 
-def memory_fits(engine: Any, ranks: int, here: int, model_bytes: int) -> None:
+def rank_bytes(engine: Any, model_bytes: int = 0, data_bytes: int = 0) -> int:
+    """One rank's memory on this machine (the module's figures): its kind's own, MODEL_COPIES of the model in
+    host memory (a GPU rank keeps its model on the GPU), DATA_COPIES of its data shard."""
+    own = PROCESS_RANK_BYTES if engine.processes else STACKED_RANK_BYTES if engine.stacked else THREAD_RANK_BYTES
+    model = 0 if engine.device_type == "cuda" else MODEL_COPIES * model_bytes
+    return own + model + DATA_COPIES * data_bytes
+
+
+def memory_fits(engine: Any, ranks: int, here: int, model_bytes: int, data_bytes: int = 0) -> None:
     """Refuse (ConfigError: one line, exit 2) more ranks on this machine than its memory holds.
 
-    ``here`` of the ``ranks`` ranks of ``engine`` (its class) run on this machine. One rank's footprint:
-    PROCESS_RANK_BYTES for a process rank (THREAD_RANK_BYTES for a virtual one) plus MODEL_COPIES copies
-    of the model in host memory (a GPU rank keeps its model on the GPU). Compared with MemAvailable.
+    ``here`` of the ``ranks`` ranks of ``engine`` (its class or facts) run on this machine, each about
+    ``rank_bytes``; compared with MemAvailable. The refusal names the most ranks that fit.
     """
-    model = 0 if engine.device_type == "cuda" else MODEL_COPIES * model_bytes
-    per_rank = (PROCESS_RANK_BYTES if engine.processes else THREAD_RANK_BYTES) + model
+    per_rank = rank_bytes(engine, model_bytes, data_bytes)
     available = available_memory()
     if available is None or here * per_rank <= available:
         return
-    kind = "processes" if engine.processes else "virtual ranks"
+    kind = "processes" if engine.processes else "stacked ranks" if engine.stacked else "virtual ranks"
     fit = available // per_rank
     allowed = f"ranks <= {fit}" if fit else "a smaller model"
     if engine.processes:

@@ -446,6 +446,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     python, target, script_args = split_command(args.command)
     if not args.engine_facts.processes:
+        from bfexp.errors import ConfigError
+        from bfexp.preflight import memory_fits
+
+        try:  # -n 100000 --engine threads: refused here, not by the machine running out of memory
+            memory_fits(args.engine_facts, args.ranks, args.ranks, 0)
+        except ConfigError as e:
+            bad(str(e).replace(f"ranks={args.ranks}", f"-n {args.ranks}", 1).replace("ranks <=", "-n <="))
         sys.exit(launch_threads(args, target, script_args))
     sys.exit(launch_mpi(args, python, target, script_args))
 

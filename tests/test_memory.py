@@ -1,0 +1,65 @@
+"""A job this machine cannot hold is refused before anything large is built (issue 44), by an estimate of
+each rank's memory held against what jobs measure here.
+
+The estimate (bfexp.preflight.rank_bytes) is held within 2x of the measured growth of a job's peak memory with
+its ranks, for stacked and virtual ranks; ranks=10**7 is refused without building its topology, naming the
+most ranks that fit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import BFEXP, run_bfexp
+
+SHARD_BYTES = 512 * (32 * 4 + 8)  # the synthetic data's 512 samples a rank: 32 float32 features, an int64 label
+MODEL_BYTES = 66 * 4  # logistic regression, 32 features x 2 classes + 2 biases, float32
+
+
+def peak(tmp_path, engine: str, ranks: int) -> int:
+    proc = run_bfexp([f"engine={engine}", f"ranks={ranks}", "steps=5", "baseline_steps=0", "report=false",
+                      "logger=jsonl", "scaling.reference_steps=1", f"hydra.run.dir={engine}{ranks}"], tmp_path,
+                     timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(json.loads((tmp_path / f"{engine}{ranks}" / "summary.json").read_text())["peak_memory_bytes"])
+
+
+@pytest.mark.parametrize("engine, few, many", [("stacked", 500, 2000), ("threads", 16, 64)])
+def test_a_ranks_estimated_memory_is_within_2x_of_what_a_rank_adds_to_the_peak(tmp_path, engine, few, many):
+    from bfexp.comm import engine_facts
+    from bfexp.preflight import rank_bytes
+
+    measured = (peak(tmp_path, engine, many) - peak(tmp_path, engine, few)) / (many - few)
+    estimated = rank_bytes(engine_facts(engine), MODEL_BYTES, SHARD_BYTES)
+    assert 0.5 <= estimated / measured <= 2.0, (engine, estimated, measured)
+
+
+@pytest.mark.parametrize("args, kind", [(["ranks=10000000"], "stacked ranks"),
+                                        (["ranks=10000000", "engine=threads"], "virtual ranks"),
+                                        (["-m", "ranks=4,10000000"], "stacked ranks")])
+def test_ranks_no_machine_holds_are_refused_before_they_are_built(tmp_path, args, kind):
+    """Refused in one line naming the largest rank count that fits, by a driver that stayed small (it built no
+    topology of 10**7 ranks: before, the kernel killed it with no message)."""
+    import os
+
+    with open(tmp_path / "err", "w+") as err:
+        proc = subprocess.Popen([*BFEXP, *args, "steps=2"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # this driver's own peak (Linux: KiB)
+        err.seek(0)
+        lines = err.read().strip().splitlines()
+    assert os.waitstatus_to_exitcode(status) == 2 and len(lines) == 1, lines
+    assert "ranks=10000000 with engine=" in lines[0] and kind in lines[0] and "allowed: ranks <= " in lines[0]
+    assert usage.ru_maxrss < 1_000_000, f"the driver's peak: {usage.ru_maxrss} KiB"
+
+
+def test_bfexp_run_refuses_virtual_ranks_no_machine_holds(tmp_path):
+    import sys
+
+    (tmp_path / "train.py").write_text("print('ran')\n")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.run", "-n", "10000000", "--engine", "threads", "python",
+                           "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "-n 10000000 with engine=threads needs about" in proc.stderr, proc.stderr
+    assert "allowed: -n <= " in proc.stderr and "ran" not in proc.stdout
