@@ -719,12 +719,12 @@ def check_sweep(config: Any) -> list[tuple[list[str], str]]:
             refused.append((swept, str(e)))
             continue
         if job.epochs is not None:
-            counted.append((swept, plan.cfg, plan.steps))
+            counted.append((swept, Settings.of(job), plan.steps))
     if counted and all(n is not None for _, _, n in counted):
         longest = max([n for _, _, n in counted] + [int(job.steps) for _, job in points if job.epochs is None])
-        for swept, job, _ in counted:  # against the longest job: a point is named only where fail_step is swept
+        for swept, settings, _ in counted:  # against the longest job: a point is named only where fail_step is swept
             try:
-                check_fail_step(Settings.of(job), longest, sweep=len(points) > 1)
+                check_fail_step(settings, longest, sweep=len(points) > 1)
             except ConfigError as e:
                 named = [o for o in swept if o.startswith("fail_step=")]
                 raise type(e)(f"{e}{sweep_point(points, named)}") from None
