@@ -253,6 +253,7 @@ class Training:
         # loop's own state: the logging window's sums, the last record, the bytes this rank's training
         # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
         self.checkpoints = checkpointer.Checkpointer(settings.checkpoint_every, experiment, engine, run_dir)
+        self.polls = StopPoll(engine)  # a stop request between logging steps
         resumed = self.checkpoints.restore(job.model, job.optimizer, self.sampler)
         self.first = resumed["step"] + 1
         self.interval_loss, self.interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
@@ -367,7 +368,9 @@ class Training:
                 if self.budget_ends(step, self.clock.latest_s()):
                     self.last = step
             if not self.evals.logs(step, self.last):
-                if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state()):  # checkpoint_every
+                asked = self.polls.due(step) and self.polls.agree(step, self.checkpoints.stop_requested())
+                if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state(),  # checkpoint_every
+                                             stop=True if asked else None):
                     status, error = results.INTERRUPTED, self.stopped(step)
                     break
                 continue
@@ -662,6 +665,36 @@ class Training:
                                        **self.figure_nodes))
             mark(engine, "scaling figures: reference rounds left, baseline probe")
         return summary
+
+
+class StopPoll:
+    """When the ranks ask each other, between logging steps, whether the job was asked to stop.
+
+    The ranks agree on a stop at logging steps (the flag travels with the metrics); at log_every=100000
+    a signal would wait for hours. So about every POLL_S seconds of the slowest rank they also agree on it
+    in one small collective, which carries every rank's flag and the seconds each took since the last poll.
+    The steps to the next poll come from those gathered values alone, so every rank polls at the same step:
+    1 at first, then as many steps as take about POLL_S (at most 8x the last interval)."""
+
+    POLL_S = 1.0
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.next_step: int | None = None  # the first step polls
+        self.interval = 1
+        self.since = time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return self.next_step is None or step >= self.next_step
+
+    def agree(self, step: int, requested: float) -> bool:
+        """Whether any rank was asked to stop (collective); sets the step of the next poll."""
+        flags, waited = gather_floats(self.engine, requested, time.perf_counter() - self.since)
+        self.since = time.perf_counter()
+        slowest = max(max(waited), 1e-6)
+        self.interval = max(1, min(self.interval * 8, int(self.interval * self.POLL_S / slowest)))
+        self.next_step = step + self.interval
+        return any(flag > 0 for flag in flags)
 
 
 class TrainClock:

@@ -408,3 +408,37 @@ def fault_run(shared: Path, launcher: str, fault: str, args: list[str], prefix: 
             assert check.returncode == 0, check.stderr
     assert nothing_left(20, before) == ({}, {}), out[-2000:]
     print(f"{launcher} {fault}: {s['status']} {took:.1f} s after the fault: {s.get('error')}")
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_sigterm_stops_a_two_host_job_within_5_s_at_any_log_every(shared, launcher):
+    """SIGTERM to the driver of a job on hostA and hostB at log_every=100000 (before issue 44: 23-50 s, past
+    Slurm's KillWait of 30 s): it ends within 5 s, interrupted with its checkpoint, nothing left on any host."""
+    before = {h: set(f) for h, f in session_folders().items()}
+    args = ["steps=1000000", "log_every=100000", "baseline_steps=0", f"launcher.network_interface={IFACE}",
+            "ranks=2", "report=false", "hydra.run.dir=run"]
+    if launcher == "mpirun":
+        args += ["launcher=mpirun", "launcher.hosts=[hostA:1,hostB:1]"]
+        prefix: list[str] = []
+    else:
+        args += ["launcher=srun", "launcher.ranks_per_node=1"]
+        prefix = ["salloc", "-N", "2", "-n", "2", "-w", "hostA,hostB"]
+    job = on("hostA", [*prefix, BIN / "bfexp", *args], shared, background=True)
+    deadline = time.monotonic() + 120
+    while job.poll() is None and time.monotonic() < deadline:  # both ranks past their first step
+        beats = [json.loads(p.read_text() or "{}") for p in (shared / "run" / "heartbeat").glob("rank*.json")]
+        if len(beats) == 2 and min(int(b.get("step", 0)) for b in beats) > 1:
+            break
+        time.sleep(0.2)
+    assert job.poll() is None, job.communicate()[0][-3000:]
+    # the driver: the job's own process (the cluster's entry execs into it), or salloc's child under srun
+    driver = job.pid if not prefix else int(subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
+                                                               text=True).stdout.split()[0])
+    started = time.monotonic()
+    os.kill(driver, signal.SIGTERM)
+    out = job.communicate(timeout=60)[0]
+    took = time.monotonic() - started
+    s = summary(shared / "run")
+    assert took < 5.0, (took, out[-2000:])
+    assert s["status"] == "interrupted" and (shared / "run" / "checkpoint" / f"step{s['checkpoint_step']}").is_dir(), s
+    assert nothing_left(20, before) == ({}, {}), out[-2000:]
