@@ -28,7 +28,7 @@ CASES = [
     ("ranks-zero", ["ranks=0"], ["ranks=0", ">= 1"]),
     ("ranks-memory", ["ranks=100000", "engine=mpi"], ["ranks=100000", "memory", "engine=threads"]),
     ("seed-negative", ["seed=-1"], ["seed=-1", ">= 0"]),
-    ("steps-zero", ["steps=0"], ["steps=0", ">= 1"]),
+    ("steps-zero", ["steps=0"], ["steps=0", "an integer in [1, 1e+09]"]),
     ("steps-fraction", ["steps=1.5"], ["steps", "1.5"]),
     ("epochs-zero", ["epochs=0"], ["epochs=0", ">= 1"]),
     ("batch-size-zero", ["batch_size=0"], ["batch_size=0", ">= 1"]),
@@ -42,6 +42,7 @@ CASES = [
     ("timeout-negative", ["timeout_s=-1"], ["timeout_s=-1", ">= 0"]),
     ("checkpoint-every-negative", ["checkpoint_every=-5"], ["checkpoint_every=-5", ">= 0"]),
     ("fail-fast-type", ["fail_fast=maybe"], ["fail_fast", "maybe"]),
+    ("skip-invalid-type", ["skip_invalid=sometimes"], ["skip_invalid", "sometimes"]),
     ("fail-rank-negative", ["fail_rank=-1"], ["fail_rank=-1", ">= 0"]),
     ("fail-step-zero", ["fail_step=0"], ["fail_step=0", ">= 1"]),
     ("fail-mode-word", ["fail_mode=explode"], ["fail_mode='explode'", "raise", "hang"]),
@@ -185,14 +186,14 @@ NEW_CASES = [
     ("topology-yaml-unparsable", ["topology=file", "topology.path=bad.yaml", "ranks=4"], ["bad.yaml", "YAML"]),
     ("topology-yaml-undecodable", ["topology=file", "topology.path=bin.yaml", "ranks=4"], ["bin.yaml"]),
     ("topology-yaml-not-topology", ["topology=file", "topology.path=mlp.yaml", "ranks=4"],
-     ["bfexp.models.MLP", "not a topology"]),
+     ["bfexp.models.MLP", "a graph file may not choose"]),
     ("hostfile-undecodable", ["launcher=mpirun", "launcher.hostfile=bin.hosts", "engine=mpi", "ranks=2"],
      ["launcher.hostfile=bin.hosts", "UnicodeDecodeError"]),
     # a _target_ of the wrong kind is refused before it is called
-    ("target-dataset-function", ["dataset._target_=builtins.print"], ["builtins.print", "not a dataset"]),
+    ("target-dataset-function", ["dataset._target_=builtins.print"], ["builtins.print", "builds no dataset"]),
     ("target-dataset-called", ["dataset._target_=mymod.marker"], ["mymod.marker", "not a dataset"]),
     ("target-model-dataset", ["model._target_=bfexp.data.Digits"], ["bfexp.data.Digits", "not a model"]),
-    ("target-model-builtin", ["model._target_=os.getcwd"], ["not a model"]),
+    ("target-model-builtin", ["model._target_=os.getcwd"], ["getcwd", "builds no model"]),
     ("target-optimizer-model", ["optimizer._target_=bfexp.models.MLP"], ["bfexp.models.MLP", "not a optimizer"]),
     ("target-algorithm-sgd", ["algorithm._target_=torch.optim.SGD"], ["torch.optim.sgd.SGD", "not a algorithm"]),
     ("target-topology-model", ["topology._target_=bfexp.models.LogReg"], ["LogReg", "not a topology"]),
@@ -244,7 +245,10 @@ class ThreeOut(nn.Linear):
     def __init__(self, in_features):
         super().__init__(in_features, 3)
 """
-RUN_HYDRA = b"hydra:\n  overrides:\n    hydra: []\n    task: [engine=threads, ranks=2, steps=4, baseline_steps=0]\n"
+# Hydra's record of a bfexp run (its primary config source is bfexp's: resume takes only folders bfexp wrote)
+RUN_HYDRA = (b"hydra:\n  overrides:\n    hydra: []\n    task: [engine=threads, ranks=2, steps=4, baseline_steps=0]\n"
+             b"  runtime:\n    config_sources:\n    - {path: hydra.conf, schema: pkg, provider: hydra}\n"
+             b"    - {path: bfexp.conf, schema: pkg, provider: main}\n")
 
 
 def _run(latest: bytes) -> dict[str, bytes]:
