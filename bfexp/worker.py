@@ -253,7 +253,11 @@ class Training:
         # loop's own state: the logging window's sums, the last record, the bytes this rank's training
         # steps put on the wire (engine.bytes_sent, compressed as sent) and the time so far.
         self.checkpoints = checkpointer.Checkpointer(settings.checkpoint_every, experiment, engine, run_dir)
-        self.polls = StopPoll(engine)  # a stop request between logging steps
+        # A stop request between logging steps: where ranks are processes (a signal, Slurm's preemption) and
+        # the rule is synchronous. Virtual ranks' simulated clocks and an asynchronous rule's ranks would be
+        # synchronized by the poll's collective at wall-clock times: their results would change from run to run.
+        synchronous = not getattr(type(self.job.optimizer), "asynchronous", False)
+        self.polls = StopPoll(engine) if engine.processes and synchronous else None
         resumed = self.checkpoints.restore(job.model, job.optimizer, self.sampler)
         self.first = resumed["step"] + 1
         self.interval_loss, self.interval_n = resumed.get("interval_loss", 0.0), resumed.get("interval_n", 0)
@@ -368,7 +372,8 @@ class Training:
                 if self.budget_ends(step, self.clock.latest_s()):
                     self.last = step
             if not self.evals.logs(step, self.last):
-                asked = self.polls.due(step) and self.polls.agree(step, self.checkpoints.stop_requested())
+                asked = self.polls is not None and self.polls.due(step) and \
+                    self.polls.agree(step, self.checkpoints.stop_requested())
                 if self.checkpoints.boundary(step, job.model, optimizer, sampler, self.state(),  # checkpoint_every
                                              stop=True if asked else None):
                     status, error = results.INTERRUPTED, self.stopped(step)

@@ -235,7 +235,8 @@ EXTRA = {
     "m-last": ("bfexp seed=1 steps=1,2 -m", {}),
     "multirun-first": ("bfexp --multirun seed=1 steps=1,2", {}),
     "resume-sweep-with-a-flag": ("bfexp resume=sweep seed=3 -cd myconf dataset=blobs", {
-        "sweep/multirun.yaml": "hydra:\n  overrides:\n    hydra: []\n    task: ['ranks=2,4']\n"}),
+        "sweep/multirun.yaml": "hydra:\n  overrides:\n    hydra: []\n    task: ['ranks=2,4']\n  runtime:\n"
+                               "    config_sources:\n    - {path: bfexp.conf, schema: pkg, provider: main}\n"}),
 }
 
 DRIVER = textwrap.dedent("""

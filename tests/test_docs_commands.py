@@ -238,8 +238,9 @@ def check_parsed(got: dict, command: Command) -> None:
     if any(a in ("-m", "--multirun") for a in args):
         assert got["jobs"] and {j["mode"] for j in got["jobs"]} == {"MULTIRUN"}, got
         fixed = [o for o in overrides if "," not in re.sub(r"\[[^]]*\]", "", o)]
-        for job in got["jobs"]:
-            assert set(fixed) <= set(job["task"] + job["hydra"]), (fixed, job["task"], job["hydra"])
+        for job in got["jobs"]:  # (Hydra's sweeper spells a sweep's fixed booleans True and False)
+            said = {re.sub(r"=(True|False)$", lambda m: "=" + m.group(1).lower(), o) for o in job["task"] + job["hydra"]}
+            assert set(fixed) <= said, (fixed, job["task"], job["hydra"])
         assert len(got["jobs"]) >= (2 if len(fixed) < len(overrides) else 1)
     elif any(a in ("--help", "-h", "--cfg", "-c", "--shell-completion", "--hydra-help") for a in args):
         assert got["jobs"] == [] and got["stdout"].strip(), got

@@ -171,8 +171,9 @@ def test_pythons_own_functions_build_no_component(tmp_path, override):
 def test_a_graph_function_of_the_users_own_named_in_the_config_runs(tmp_path):
     """What a user does want: their own graph function, named in the config they compose."""
     (tmp_path / "mymod.py").write_text("import networkx as nx\n\n\ndef ring(n):\n    return nx.cycle_graph(n)\n")
-    proc = run_bfexp(["topology=generated", "topology.graph={_target_: mymod.ring}", "steps=2", "report=false",
-                      "hydra.run.dir=run", "baseline_steps=0"], tmp_path, timeout=240)
+    proc = run_bfexp(["topology=generated", "topology.graph._target_=mymod.ring", "~topology.graph.radius",
+                      "~topology.graph.seed", "steps=2", "report=false", "hydra.run.dir=run", "baseline_steps=0"],
+                     tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -209,7 +210,7 @@ def test_a_cifar_batch_that_names_code_is_refused(tmp_path, where):
     root = tmp_path / "c"
     batches = write_cifar10(root, per_batch=10)
     marker = tmp_path / "MARKER"
-    tampered = dict(batches["data_batch_3"], **{b"batch_label": _Marker(marker)})
+    tampered = {**batches["data_batch_3"], b"batch_label": _Marker(marker)}
     (root / "data_batch_3").write_bytes(pickle.dumps(tampered))
     if where == "driver":
         refused(run_bfexp(["dataset=cifar10", f"dataset.root={root}", "model=cnn", "steps=2"], tmp_path,
