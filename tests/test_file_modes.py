@@ -22,7 +22,8 @@ def modes(folder: Path) -> dict[str, int]:
             if p.is_file() and ".hydra" not in p.parts and not p.name.endswith(".log")}
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+@pytest.mark.parametrize("umask", [0o027, pytest.param(0o022, marks=pytest.mark.large),
+                                   pytest.param(0o077, marks=pytest.mark.large)])
 def test_a_sweeps_results_files_have_the_mode_the_umask_gives(tmp_path, umask):
     """A two-job sweep on virtual ranks: config.yaml, plan.json, metrics.jsonl, summary.json of each job and the
     sweep's report.csv, report.md and plots, each 0o666 less the umask (0o644 under 022, 0o640 under 027)."""

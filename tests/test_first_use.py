@@ -34,6 +34,7 @@ def test_a_sweep_with_an_invalid_point_names_skip_invalid(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.large  # a sweep of three jobs: .ci/run's larger lane
 def test_skip_invalid_runs_the_valid_points_and_reports_the_refused(tmp_path):
     """-m algorithm=dsgd,exact_diffusion topology=exp2,one_peer_exp2 skip_invalid=true: three jobs run (exact
     diffusion on exp2 runs on its undirected form), exact diffusion on the time-varying graph is refused with
@@ -65,6 +66,7 @@ def test_skip_invalid_with_every_point_refused_refuses_the_sweep(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.large  # a sweep of three jobs: .ci/run's larger lane
 def test_a_sweep_says_each_job_in_one_line_and_its_table_at_the_end(tmp_path):
     """-m over three points: `job k/3 <status>: ...; about N s left; results: DIR` after each job, no per-job
     table (its 17 rows scrolled the sweep away), the sweep's table once, at the end."""
