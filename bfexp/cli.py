@@ -421,6 +421,19 @@ def busy_job(sweep_dir: Path) -> tuple[Path, str] | None:
     return None
 
 
+def split_loggers(cfg: Any, overrides: Any) -> None:
+    """``logger=[wandb,tensorboard]``: the job's logger node becomes one that holds each named logger's own
+    (bfexp.loggers.several), where Hydra merged them into one."""
+    from omegaconf import OmegaConf, open_dict
+
+    from bfexp.loggers import several
+
+    node = several(list(overrides), OmegaConf.to_container(cfg.logger, resolve=False) if cfg.get("logger") else {})
+    if node is not None:
+        with open_dict(cfg):
+            cfg.logger = node
+
+
 def run_job(cfg: Any) -> str:
     """One job: validate, dry-build, launch, report. Returns the job's status.
 
@@ -433,6 +446,7 @@ def run_job(cfg: Any) -> str:
     from hydra.types import RunMode
 
     PHASES.mark("start: python, Hydra, compose")
+    split_loggers(cfg, HydraConfig.get().overrides.task)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     sweep_dir = Path(str(HydraConfig.get().sweep.dir)) if HydraConfig.get().mode == RunMode.MULTIRUN else None
     _current.update(run_dir=run_dir, cfg=cfg, resume=resume_command(run_dir))
@@ -683,6 +697,7 @@ def sweep_points(config: Any) -> list[tuple[list[str], Any]]:
     for batch in sweep_batches(parsed):
         for overrides in batch:
             job = loader.load_sweep_config(config, list(overrides))
+            split_loggers(job, job.hydra.overrides.task)
             with open_dict(job):
                 del job["hydra"]
             points.append(([o for o in overrides if o.partition("=")[0] in swept], job))

@@ -27,12 +27,13 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 from bfexp import results
 from bfexp.errors import ConfigError
 
-__all__ = ["Console", "Jsonl", "Logger", "TensorBoard", "TensorBoardTracker", "Tracker", "Wandb", "WandbTracker"]
+__all__ = ["Console", "Jsonl", "Logger", "Several", "TensorBoard", "TensorBoardTracker", "Tracker", "Trackers", "Wandb",
+           "WandbTracker", "several"]
 
 WANDB_INSTALL = "pip install 'bfexp[wandb]'"
 TENSORBOARD_INSTALL = "pip install 'bfexp[tensorboard]'"
@@ -152,6 +153,20 @@ class TensorBoardTracker(Tracker):
 # ---------------------------------------------------------------- the logger group's options
 
 
+def importable(package: str, what: str, install: str) -> None:
+    """``package`` imported now (an optional extra a logger needs): missing, or installed but broken (its import
+    raises), ConfigError in one line naming why and the command that installs it."""
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"{what} needs the {package} package; install it with: {install}")
+    try:
+        importlib.import_module(package)
+    except Exception as e:  # a broken install raises anything from its own import
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{what}: the {package} package is installed but does not import ({type(e).__name__}: "
+                          f"{first}); allowed: reinstall it with: {install}, or another logger") from None
+
+
+
 class Logger:
     """What the driver does with a job's records besides metrics.jsonl: a progress display (``progress``) and
     the tracker ``tracker`` opens. This base shows progress and tracks nothing."""
@@ -195,8 +210,7 @@ class Wandb(Logger):
         """``mode`` null: $WANDB_MODE when the user set it, else offline (sync later with `wandb sync`);
         ``group`` null: the sweep folder for a multirun, none for a single run. wandb must be importable
         (the optional extra): ConfigError with the command that installs it."""
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError(f"logger=wandb needs the wandb package; install it with: {WANDB_INSTALL}")
+        importable("wandb", "logger=wandb", WANDB_INSTALL)
         super().__init__(progress)
         self.project, self.entity, self.mode, self.group, self.tags = project, entity, mode, group, tuple(tags)
 
@@ -222,9 +236,76 @@ class TensorBoard(Logger):
     def __init__(self, progress: bool = True) -> None:
         """The tensorboard package must be importable (the optional extra): ConfigError with the command that
         installs it."""
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError(f"logger=tensorboard needs the tensorboard package; install it with: {TENSORBOARD_INSTALL}")
+        importable("tensorboard", "logger=tensorboard", TENSORBOARD_INSTALL)
         super().__init__(progress)
 
     def tracker(self, identity: dict, resolved: dict, run_dir: Path) -> Tracker:
-        return TensorBoardTracker(resolved, Path(run_dir))
+        """The job's event files. A folder that cannot hold them (run/tensorboard a file, a full disk) costs the
+        job its tracking, not its training: one warning line, and the run goes on."""
+        try:
+            return TensorBoardTracker(resolved, Path(run_dir))
+        except Exception as e:  # the writer's OSError, a broken package's own error types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"bfexp: warning: tensorboard did not start ({type(e).__name__}: {first}); the job runs without it",
+                  file=sys.stderr)
+            return Tracker()
+
+
+class Trackers(Tracker):
+    """Several trackers as one: each record and the summary go to every one, in the order named."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+
+    def log(self, record: dict) -> None:
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def finish(self, summary: dict) -> None:
+        for tracker in self.trackers:
+            tracker.finish(summary)
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        for tracker in self.trackers:
+            tracker.__exit__(exc_type, *exc)
+
+
+class Several(Logger):
+    """``logger=[wandb,tensorboard]``: every logger the list names (``loggers``, options of the logger group),
+    each built from its own option's node with ``options[name]`` laid over it (Hydra merges a list's options
+    into one node; the driver takes them apart, ``several``). Progress is shown when any of them shows it."""
+
+    name: ClassVar[str] = "several"
+
+    def __init__(self, loggers: Sequence[str] = (), options: Mapping[str, Mapping[str, Any]] | None = None,
+                 progress: bool | None = None) -> None:
+        from bfexp.components import build, option_node
+
+        if not loggers:
+            raise ConfigError("logger.loggers=[]; allowed: one or more options of the logger group, e.g. "
+                              "logger=[wandb,tensorboard]")
+        options = dict(options or {})
+        self.loggers = [build({**option_node("logger", str(n)), **dict(options.get(str(n), {}))}, "logger")
+                        for n in loggers]
+        super().__init__(any(logger.progress for logger in self.loggers) if progress is None else progress)
+
+    def tracker(self, identity: dict, resolved: dict, run_dir: Path) -> Tracker:
+        return Trackers([logger.tracker(identity, resolved, run_dir) for logger in self.loggers])
+
+
+def several(overrides: Sequence[str], merged: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The logger node of a list selection on the command line (``logger=[wandb,tensorboard]`` among
+    ``overrides``, the last one of the group), or None for one option. Each named option's own node, with
+    the keys the user set (``logger.project=x``) given to each logger that takes them.
+    Hydra merges a list's options into one node, the last ``_target_`` winning: rebuilt apart here."""
+    from bfexp.components import option_node
+
+    chosen = [str(o) for o in overrides if str(o).partition("=")[0].lstrip("+") == "logger"]
+    value = chosen[-1].partition("=")[2].strip() if chosen else ""
+    if not (value.startswith("[") and value.endswith("]")):
+        return None
+    names = [n.strip().strip("'\"") for n in value[1:-1].split(",") if n.strip()]
+    given = {str(o).lstrip("+").partition("=")[0].partition(".")[2] for o in overrides
+             if str(o).lstrip("+").startswith("logger.")}  # the keys the user set: logger.project=x
+    options = {n: {k: merged[k] for k in option_node("logger", n) if k in given and k in merged} for n in names}
+    return {"_target_": f"{__name__}.Several", "loggers": names, "options": options}

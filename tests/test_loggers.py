@@ -144,3 +144,62 @@ def test_tensorboard_event_files_hold_every_record_and_the_summary(bfexp):
     assert "name: tensorboard" in texts[0].tensor_proto.string_val[0].decode()
     status = events.Tensors("summary/status/text_summary")[0].tensor_proto.string_val[0].decode()
     assert status == "completed"
+
+
+@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
+def test_a_broken_tracker_install_is_one_line(tmp_path, package):
+    """An installed package whose import raises (a half-upgraded install): one line naming the error and how to
+    reinstall, exit 2, no rank started (it was a traceback of 47-62 lines, issue 44)."""
+    (tmp_path / "broken" / package).mkdir(parents=True)
+    (tmp_path / "broken" / package / "__init__.py").write_text("raise RuntimeError('half of an upgrade')\n")
+    path = os.pathsep.join([str(tmp_path / "broken"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.run(BFEXP + [f"logger={package}", "hydra.run.dir=run"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"bfexp: error: logger={package}: the {package} package is installed but does not import (RuntimeError: half "
+        f"of an upgrade); allowed: reinstall it with: pip install 'bfexp[{package}]', or another logger"]
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_tensorboard_folder_that_is_a_file_costs_the_tracking_not_the_job(bfexp):
+    """run/tensorboard a file (the writer cannot make its folder): one warning line, the job completes."""
+    import json
+
+    (bfexp.cwd / "run").mkdir()
+    (bfexp.cwd / "run" / "tensorboard").write_text("mine\n")
+    proc = bfexp("ranks=2", "steps=4", "logger=tensorboard", "engine=threads", "baseline_steps=0",
+                 "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [l for l in proc.stderr.splitlines() if "tensorboard did not start" in l]
+    assert len(warnings) == 1 and "the job runs without it" in warnings[0] and "Traceback" not in proc.stderr
+    assert json.loads((bfexp.cwd / "run" / "summary.json").read_text())["status"] == "completed"
+    assert (bfexp.cwd / "run" / "tensorboard").read_text() == "mine\n"
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is an optional extra (pip install 'bfexp[wandb]'); not installed")
+def test_several_loggers_at_once(bfexp):
+    """logger=[wandb,tensorboard] (Hydra's list of a group's options): both trackers receive the job, each from its
+    own option's node; logger.project=x reaches wandb, logger.progress=false both."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc = bfexp("logger=[wandb,tensorboard]", "logger.project=mine", "logger.progress=false", "ranks=2", "steps=4",
+                 "log_every=2", "engine=threads", "baseline_steps=0", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    run = bfexp.cwd / "run"
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    assert [e.step for e in events.Scalars("loss")] == [2, 4]
+    offline = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1
+    names = {r.run.project for r in wandb_records(offline[0]) if r.HasField("run")}
+    assert names == {"mine"}
+    from omegaconf import OmegaConf
+
+    logger = OmegaConf.load(run / "config.yaml").logger
+    assert list(logger.loggers) == ["wandb", "tensorboard"]
+    assert logger.options.wandb == {"project": "mine", "progress": False} and logger.options.tensorboard == {
+        "progress": False}
+    assert "step 2/4" not in proc.stdout  # progress off in both
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
