@@ -421,17 +421,18 @@ def busy_job(sweep_dir: Path) -> tuple[Path, str] | None:
     return None
 
 
-def split_loggers(cfg: Any, overrides: Any) -> None:
+def split_loggers(job: Any, overrides: Any) -> None:
     """``logger=[wandb,tensorboard]``: the job's logger node becomes one that holds each named logger's own
-    (bfexp.loggers.several), where Hydra merged them into one."""
+    (bfexp.loggers.several), where Hydra merged them into one. ``job``: a composed job's config."""
     from omegaconf import OmegaConf, open_dict
 
     from bfexp.loggers import several
 
-    node = several(list(overrides), OmegaConf.to_container(cfg.logger, resolve=False) if cfg.get("logger") else {})
+    merged = job.get("logger")
+    node = several(list(overrides), OmegaConf.to_container(merged, resolve=False) if merged is not None else {})
     if node is not None:
-        with open_dict(cfg):
-            cfg.logger = node
+        with open_dict(job):
+            job.logger = node
 
 
 def run_job(cfg: Any) -> str:
