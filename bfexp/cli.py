@@ -421,18 +421,15 @@ def busy_job(sweep_dir: Path) -> tuple[Path, str] | None:
     return None
 
 
-def split_loggers(job: Any, overrides: Any) -> None:
-    """``logger=[wandb,tensorboard]``: the job's logger node becomes one that holds each named logger's own
-    (bfexp.loggers.several), where Hydra merged them into one. ``job``: a composed job's config."""
-    from omegaconf import OmegaConf, open_dict
+def split_loggers(logger: Any, overrides: Any) -> Any:
+    """``logger=[wandb,tensorboard]``: a logger node that holds each named logger's own (bfexp.loggers.several),
+    where Hydra merged them into ``logger``; ``logger`` itself for one option."""
+    from omegaconf import OmegaConf
 
     from bfexp.loggers import several
 
-    merged = job.get("logger")
-    node = several(list(overrides), OmegaConf.to_container(merged, resolve=False) if merged is not None else {})
-    if node is not None:
-        with open_dict(job):
-            job.logger = node
+    node = several(list(overrides), OmegaConf.to_container(logger, resolve=False) if logger is not None else {})
+    return logger if node is None else node
 
 
 def run_job(cfg: Any) -> str:
@@ -445,9 +442,11 @@ def run_job(cfg: Any) -> str:
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from omegaconf import open_dict
 
     PHASES.mark("start: python, Hydra, compose")
-    split_loggers(cfg, HydraConfig.get().overrides.task)
+    with open_dict(cfg):  # logger=[wandb,tensorboard]: each logger its own node
+        cfg.logger = split_loggers(cfg.get("logger"), HydraConfig.get().overrides.task)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     sweep_dir = Path(str(HydraConfig.get().sweep.dir)) if HydraConfig.get().mode == RunMode.MULTIRUN else None
     _current.update(run_dir=run_dir, cfg=cfg, resume=resume_command(run_dir))
@@ -698,7 +697,8 @@ def sweep_points(config: Any) -> list[tuple[list[str], Any]]:
     for batch in sweep_batches(parsed):
         for overrides in batch:
             job = loader.load_sweep_config(config, list(overrides))
-            split_loggers(job, job.hydra.overrides.task)
+            with open_dict(job):  # logger=[wandb,tensorboard]: each logger its own node
+                job.logger = split_loggers(job.get("logger"), job.hydra.overrides.task)
             with open_dict(job):
                 del job["hydra"]
             points.append(([o for o in overrides if o.partition("=")[0] in swept], job))
