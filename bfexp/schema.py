@@ -11,7 +11,7 @@ This module imports only the standard library, Hydra and OmegaConf.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Dict, Literal, Optional
 
 from omegaconf import MISSING
@@ -241,42 +241,22 @@ COMPONENTS = ("algorithm", "topology", "model", "dataset", "optimizer", "launche
               "heterogeneity")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The run's own section: the top level's plain values (ranks, steps, seed, lr, ...), typed and read-only,
-    without the component nodes. What a function needs of the run it reads here; a component's options come
-    in its own node (``cfg.algorithm``, ``cfg.engine``, ...). Made once, at an entry point, by ``of``."""
+def _settings_of(cls: type, cfg: Any) -> Any:
+    """The top level's values of a composed config (a key an older saved config lacks: its default)."""
+    from dataclasses import fields
 
-    ranks: int = 4
-    seed: int = 0
-    steps: int = 200
-    epochs: Optional[int] = None
-    budget_s: Optional[float] = None
-    eval_every_s: Optional[float] = None
-    batch_size: int = 32
-    lr: float = 0.1
-    dtype: str = "float32"
-    log_every: int = 10
-    eval_every: Optional[int] = None
-    eval_budget: float = 0.1
-    eval_subset: Optional[int] = None
-    divergence_loss: float = 1e6
-    timeout_s: float = 300.0
-    checkpoint_every: int = 0
-    fail_fast: bool = False
-    skip_invalid: bool = False
-    fail_rank: Optional[int] = None
-    fail_step: int = 1
-    fail_mode: str = "raise"
-    throughput_only: bool = False
-    baseline_steps: int = 10
-    report: bool = True
-    target_accuracy: Optional[float] = None
-    target_eval_loss: Optional[float] = None
+    return cls(**{f.name: cfg.get(f.name, f.default) for f in fields(cls)})
 
-    @classmethod
-    def of(cls, cfg: Any) -> "Settings":
-        """The top level's values of a composed config (a key an older saved config lacks: its default)."""
-        from dataclasses import fields
 
-        return cls(**{f.name: cfg.get(f.name, f.default) for f in fields(cls)})
+# The run's own section: the top level's plain values (ranks, steps, seed, lr, ...), typed and read-only, without
+# the component nodes. What a function needs of the run it reads here; a component's options come in its own node
+# (``cfg.algorithm``, ``cfg.engine``, ...). Made once, at an entry point, by ``Settings.of(cfg)``. Its fields are
+# Config's less COMPONENTS, with their types and defaults: every key is declared once, in Config.
+Settings = make_dataclass(
+    "Settings",
+    [(f.name, f.type, field(default=f.default)) for f in fields(Config) if f.name not in COMPONENTS],
+    frozen=True,
+    namespace={"of": classmethod(_settings_of), "__module__": __name__,
+               "__doc__": "The run's own section: the top level's plain values, typed and read-only (Config's "
+                          "fields less the component nodes)."},
+)
