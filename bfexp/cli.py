@@ -284,6 +284,9 @@ def other_program(saved: Any) -> str | None:
     return f"{main[0].get('schema')}://{main[0].get('path')}" if main else "none"
 
 
+HYDRA_RECORDS = ("config.yaml", "overrides.yaml")  # what Hydra writes into a run's .hydra/ beside hydra.yaml
+
+
 def refuse_foreign(key: str, folder: Path, record: Path) -> None:
     """A run or sweep folder another program's Hydra record is in (``record``): refused before Hydra writes
     its own record over it (ConfigError: one line, exit 2, the folder untouched). An unreadable record is
@@ -292,9 +295,16 @@ def refuse_foreign(key: str, folder: Path, record: Path) -> None:
 
     from bfexp.errors import ConfigError
 
-    try:
-        other = other_program(OmegaConf.load(record)) if record.is_file() else None
-    except Exception:  # yaml's, OmegaConf's, undecodable bytes: not a record this check can read
+    from bfexp.files import MiB, read_file
+
+    for path in (record, *[record.parent / n for n in HYDRA_RECORDS if record.parent.name == ".hydra"]):
+        if os.path.lexists(path) and not (path.is_file() and not path.is_symlink()):  # Hydra would write into it
+            raise ConfigError(f"{key}={folder}: {path} is not a regular file, and Hydra writes its record there "
+                              "(into a FIFO it would wait forever, through a link it would overwrite another file); "
+                              "allowed: a new folder, or one a bfexp run or sweep wrote")
+    try:  # bounded, and a FIFO or device is not read at all (read_file refuses it)
+        other = other_program(OmegaConf.create(read_file(record, 64 * MiB).decode())) if record.exists() else None
+    except Exception:  # yaml's, OmegaConf's, undecodable bytes, not a file: not a record this check can read
         return
     if other:
         raise ConfigError(f"{key}={folder} holds another program's Hydra record ({record.name}, primary config "

@@ -75,8 +75,10 @@ class Plan:
     def read(cls, run_dir: Path) -> "Plan | None":
         """The plan the driver wrote for this run folder; None where no driver planned it (a job started by
         hand, an older folder)."""
-        try:
-            facts = json.loads((Path(run_dir) / PLAN).read_text())
+        from bfexp.files import MiB, read_file
+
+        try:  # bounded: a plan.json that is a link to /dev/zero or a FIFO is no plan
+            facts = json.loads(read_file(Path(run_dir) / PLAN, MiB))
         except (OSError, ValueError):
             return None
         facts["in_shape"], facts["notes"] = tuple(facts["in_shape"]), tuple(facts["notes"])

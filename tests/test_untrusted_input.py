@@ -398,3 +398,32 @@ def test_cluster_local_checks_its_options_before_it_makes_anything(args, said):
     script = Path(__file__).resolve().parent.parent / "scripts" / "cluster_local.sh"
     proc = subprocess.run(["bash", str(script), "up", *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("where, kind", [(".hydra/hydra.yaml", "fifo"), (".hydra/config.yaml", "link"),
+                                         (".hydra/overrides.yaml", "fifo"), ("multirun.yaml", "fifo")])
+def test_a_hydra_record_that_is_not_a_file_is_refused_before_hydra_writes_it(tmp_path, where, kind):
+    """Hydra writes its record into the run (or sweep) folder: into a FIFO it waited forever, through a link it
+    overwrote the file linked to. Refused in one line, the linked file untouched, nothing left waiting."""
+    folder = tmp_path / "out"
+    (folder / ".hydra").mkdir(parents=True)
+    other = tmp_path / "other.txt"
+    other.write_text("keep\n")
+    if kind == "fifo":
+        os.mkfifo(folder / where)
+    else:
+        (folder / where).symlink_to(other)
+    args = ["-m", "hydra.sweep.dir=out", "lr=0.1,0.2"] if where == "multirun.yaml" else ["hydra.run.dir=out"]
+    refused(run_bfexp([*args, "steps=2"], tmp_path, timeout=60), f"out/{where} is not a regular file")
+    assert other.read_text() == "keep\n"
+
+
+def test_a_plan_json_that_is_not_a_file_is_no_plan(tmp_path):
+    """A rank reads the driver's plan bounded: a plan.json linked to /dev/zero (or a FIFO) is no plan."""
+    from bfexp.plan import Plan
+
+    os.symlink("/dev/zero", tmp_path / "plan.json")
+    assert Plan.read(tmp_path) is None
+    (tmp_path / "plan.json").unlink()
+    os.mkfifo(tmp_path / "plan.json")
+    assert Plan.read(tmp_path) is None
