@@ -177,10 +177,22 @@ def build(settings: Settings, engine: Engine, *, dataset: Any, model: Any, optim
 
 
 def peak_memory_bytes() -> int:
-    """The largest resident set of this process so far (Linux reports KiB)."""
+    """The largest resident set of this process's own memory so far: Linux's VmHWM, which starts afresh at
+    exec. getrusage's ru_maxrss does not: it keeps the high-water mark of the process that forked this one
+    (a large pytest or notebook process set every job's peak to its own size). Elsewhere, ru_maxrss (KiB on
+    Linux, bytes on macOS)."""
     import resource
+    import sys
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def rank_numel(model: torch.nn.Module) -> int:
