@@ -37,13 +37,15 @@ def rank_value(value: torch.Tensor) -> float | torch.Tensor:
 
 def model_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """Samples as the model takes them: features cast to the run's dtype; token ids (integers) as they are."""
-    return x.to(dtype) if x.is_floating_point() else x
+    return x.to(dtype) if x.dtype is not dtype and x.is_floating_point() else x
 
 
 def cross_entropy(scores: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of scores (batch, ..., classes) against labels (batch, ...): a classifier's one label per
     sample, or a language model's one per position (the mean over every token, whose exp is the perplexity).
     For (batch, classes) scores it is F.cross_entropy itself, bit for bit."""
+    if scores.dim() == 2 and y.dim() == 1 and scores.dtype is torch.float32:  # a classifier's float32 scores: as they are
+        return F.cross_entropy(scores, y, reduction=reduction)
     return F.cross_entropy(scores.flatten(0, -2).float(), y.flatten(), reduction=reduction)
 
 

@@ -46,6 +46,9 @@ class Allreduce(DecentralizedOptimizer):
         if self.communication_period == 1:
             super().begin_iteration()  # watch backward for gradient buckets
 
+    def begins_before_forward(self) -> bool:
+        return self.watches_backward()
+
     def bucket_ready(self, bucket: Bucket) -> Handle:
         part = self.grad[bucket.start : bucket.stop]
         flat_grad(list(bucket.params), out=part)

@@ -297,7 +297,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             bucket_bytes = int(self.bucket_mb * 2**20) if self.overlap else None
             self.buckets = GradBuckets(self.params, bucket_bytes, self.bucket_ready,
                                        ranks=engine.size if engine.stacked else 1)
-        self._pre_hook = model.register_forward_pre_hook(_BeginHook(self)) if model is not None else None
+        self._pre_hook = (model.register_forward_pre_hook(_BeginHook(self))
+                          if model is not None and self.begins_before_forward() else None)
 
     # torch.optim.Optimizer: the local optimizer's groups, state and defaults -------
     @property
@@ -374,6 +375,17 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Start-of-iteration work (before forward). Default: watch backward for buckets."""
         if self.buckets is not None and self.overlap and self.communicates_now():
             self.buckets.arm()
+
+    def begins_before_forward(self) -> bool:
+        """Whether begin_iteration has work that must come before the forward pass (a forward pre-hook on
+        the model runs it there; zero_grad() does too). A hook sends every forward call down torch's slow
+        path (about 9 us a call here), so a rule whose start-of-iteration work is only arming the buckets'
+        backward hooks, with none to arm (the model fits one bucket), has none: step() starts the buckets."""
+        return type(self).begin_iteration is not DecentralizedOptimizer.begin_iteration or self.watches_backward()
+
+    def watches_backward(self) -> bool:
+        """Buckets whose gradients are watched during backward (overlap, more than one bucket)."""
+        return self.buckets is not None and self.buckets.watches
 
     def late_begin(self) -> None:
         """step() came without zero_grad() or a hooked forward: do the start-of-iteration work now."""

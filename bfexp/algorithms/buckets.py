@@ -64,6 +64,11 @@ class GradBuckets:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    @property
+    def watches(self) -> bool:
+        """Whether hooks watch backward (else collect() starts every bucket at step())."""
+        return bool(self._hooks)
+
     def arm(self) -> None:
         """Watch the coming backward pass."""
         if not self._hooks:  # nothing to watch: collect() starts every bucket

@@ -91,6 +91,9 @@ class DSGD(DecentralizedOptimizer):
     def _saw_backward(self, param) -> None:
         self._backward_at = self.iteration
 
+    def begins_before_forward(self) -> bool:
+        return self.style != "atc" or self.watches_backward()  # awc starts its exchange, cta combines
+
     def late_begin(self) -> None:
         # A backward pass ran before the combine: its gradient is not at W X.
         if self.style == "cta" and self.communicates_now() and self._backward_at == self.iteration:
