@@ -54,11 +54,14 @@ class Plan:
     classes: int
     parameters: int  # of one rank's model
     notes: tuple[str, ...] = ()
+    # One sample's forward pass through one rank's model, in FLOP (a multiply-add counts 2: torch's
+    # FlopCounterMode), counted by the dry build; 0 in a plan.json written before it was.
+    forward_flop_per_sample: int = 0
     cfg: Any = field(default=None, compare=False, repr=False)
     launcher: Any = field(default=None, compare=False, repr=False)
 
     FACTS = ("kind", "ranks", "steps", "engine", "engine_choice", "machines", "algorithm", "topology", "in_shape",
-             "classes", "parameters", "notes")
+             "classes", "parameters", "notes", "forward_flop_per_sample")
 
     def facts(self) -> dict[str, Any]:
         """The plan as plain JSON data (what the ranks read)."""
@@ -82,7 +85,7 @@ class Plan:
         except (OSError, ValueError):
             return None
         facts["in_shape"], facts["notes"] = tuple(facts["in_shape"]), tuple(facts["notes"])
-        return cls(**{k: facts[k] for k in cls.FACTS})
+        return cls(**{k: facts[k] for k in cls.FACTS if k in facts})
 
     def confirm(self, in_shape: tuple[int, ...], classes: int, parameters: int) -> None:
         """A rank's build against the plan: PlanMismatch naming what differs."""
@@ -185,7 +188,7 @@ def dry_build(settings: Settings, kind: str, launcher: Any, here: bool, *, algor
 
     from bfexp.config import build, check_node, check_optimizer_options, label
     from bfexp.errors import number_in
-    from bfexp.models import check_fits, sample_shape
+    from bfexp.models import check_fits, forward_flop_per_sample, sample_shape
     from bfexp.preflight import check_memory
     from bfexp.summary import topology_ranks_per_machine
     from bfexp.torch_internals import defer_dynamo
@@ -205,9 +208,9 @@ def dry_build(settings: Settings, kind: str, launcher: Any, here: bool, *, algor
     model_target, _ = check_node(model, "model", runtime=("in_shape", "in_features", "classes"))
     in_shape, classes = _guarded("model", model_target, lambda: sample_shape(model, data))
     fed = (in_shape, classes) if settings.throughput_only else data.sample_shape()  # training: the data's samples
-    parameters = _guarded("model", model_target,
-                          lambda: check_fits(model, *fed, data=f"dataset={label(dataset)}",
-                                             tokens=bool(getattr(data, "tokens", False))))
+    fits = dict(data=f"dataset={label(dataset)}", tokens=bool(getattr(data, "tokens", False)))
+    parameters = _guarded("model", model_target, lambda: check_fits(model, *fed, **fits))
+    flop = forward_flop_per_sample(model, *fed, **fits)  # from check_fits's forward, counted
     finfo = torch.finfo(getattr(torch, settings.dtype))  # e.g. lr=1e308: not a float32, inf on every rank
     number_in("lr", settings.lr, low=0, low_open=True, high=finfo.max, note=f"(the largest {settings.dtype})")
     if not modeled and here:  # e.g. ranks=100000 engine=mpi: refused here, not by the machine running out of memory
@@ -222,7 +225,8 @@ def dry_build(settings: Settings, kind: str, launcher: Any, here: bool, *, algor
                         optimizer=optimizer, dataset=dataset, heterogeneity=heterogeneity, scaling=scaling)
     return Plan(kind=kind, ranks=int(settings.ranks), steps=steps, engine=None, engine_choice=None, machines=1,
                 algorithm=label(algorithm), topology=label(topology), in_shape=tuple(int(d) for d in fed[0]),
-                classes=int(fed[1]), parameters=int(parameters), notes=tuple(notes))
+                classes=int(fed[1]), parameters=int(parameters), notes=tuple(notes),
+                forward_flop_per_sample=int(flop))
 
 
 def _algorithm(settings: Settings, modeled: bool, *, algorithm: Any, topology: Any, engine: Any,

@@ -202,3 +202,15 @@ def test_check_fits_answers_again_from_memory_and_asks_again_for_another_class(t
     for _ in range(2):  # 3 scores for 2 classes: the same one line both times
         with pytest.raises(ConfigError, match=r"gives outputs of shape \(2, 3\) .* allowed: \(batch, classes\)"):
             models.check_fits(refused, (4,), 2)
+
+
+def test_resnet50s_forward_is_counted_within_5_percent_of_its_published_flop():
+    """ResNet-50 at 224x224: 4.1 G multiply-adds a sample (He et al. 2016, table 1: 3.8 G; 4.1 G for v1.5,
+    NVIDIA DeepLearningExamples), 8.2 GFLOP at 2 FLOP each; counted on torch's meta device in the plan's
+    check, so nothing of its 25.6 M parameters is allocated."""
+    from bfexp import models
+
+    node = OmegaConf.create({"_target_": "bfexp.models.ResNet50", "channels": 3, "image_size": 224})
+    flop = models.forward_flop_per_sample(node, (3, 224, 224), 1000)
+    assert abs(flop / 8.2e9 - 1) < 0.05, flop
+    assert models.check_fits(node, (3, 224, 224), 1000) == 25_557_032  # torchvision's resnet50: 25,557,032

@@ -40,6 +40,8 @@ def test_a_dry_plan_holds_the_jobs_facts_without_loading_data(monkeypatch):
     assert (plan.kind, plan.ranks, plan.steps, plan.engine, plan.machines) == ("train", 4, 7, "threads", 1)
     assert (plan.in_shape, plan.classes) == ((12,), 3)
     assert plan.parameters == mlp_parameters([12, 16, 8, 3]) == 371
+    # A sample's forward: each layer's multiply-adds, 2 FLOP apiece (FlopCounterMode counts no bias or ReLU).
+    assert plan.forward_flop_per_sample == 2 * (12 * 16 + 16 * 8 + 8 * 3) == 688
     assert (plan.algorithm, plan.topology) == ("dsgd", "exp2")
     assert plan.cfg.engine.name == "threads" and plan.engine_choice is None
 
