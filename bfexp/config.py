@@ -161,6 +161,9 @@ def validate_scaling(sc: Any, launcher: Any, engine: Any, ranks: int) -> None:
     number_in("scaling.reference_load_margin", sc.reference_load_margin, low=0)
     if sc.reference_threads is not None:
         number_in("scaling.reference_threads", sc.reference_threads, low=1, integer=True)
+    number_in("scaling.device_peak_tflop_per_s", sc.get("device_peak_tflop_per_s", 0.0), low=0, note="(0 = none)")
+    number_in("scaling.device_achieved_fraction", sc.get("device_achieved_fraction", 0.0), low=0, high=1,
+              note="(0 = none)")
     for model, speed in (sc.compute_samples_per_s or {}).items():
         number_in(f"scaling.compute_samples_per_s.{model}", speed, low=0, low_open=True)
     for end, figures in (sc.get("calibration_ends") or {}).items():

@@ -328,6 +328,14 @@ def diagnosis(run_dir: Path, launcher: Launcher | None) -> str | None:
 # ---------------------------------------------------------------- one job
 
 
+def planned_flop(run_dir: Path) -> int:
+    """One sample's forward FLOP as the driver's plan counted it (plan.json), 0 where no plan was written."""
+    from bfexp.plan import Plan
+
+    planned = Plan.read(run_dir)
+    return planned.forward_flop_per_sample if planned is not None else 0
+
+
 def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = None, engine_choice: str | None = None,
            early: EarlyRanks | None = None, launcher: Launcher | None = None, checked: bool = False) -> JobResult:
     """Run one job with the engine its config names (engine=auto: the one it chooses).
@@ -344,7 +352,7 @@ def launch(cfg: Any, run_dir: Path, on_record: Callable[[dict], None] | None = N
         summary = summaries.modeled(
             summaries.job_identity(cfg, engine="cost model", batch_size=int(cfg.batch_size)), Settings.of(cfg), run_dir,
             topology=cfg.topology, model=cfg.model, dataset=cfg.dataset, scaling_node=cfg.scaling,
-            algorithm=cfg.algorithm, engine=cfg.engine)
+            algorithm=cfg.algorithm, engine=cfg.engine, forward_flop=planned_flop(run_dir))
         return JobResult(summary["status"], run_dir, summary, 0)
     choice = engine_choice
     if not checked:

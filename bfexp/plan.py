@@ -221,7 +221,7 @@ def dry_build(settings: Settings, kind: str, launcher: Any, here: bool, *, algor
     check_optimizer_options(optimizer_options)
     _guarded("optimizer", optimizer_target,
              lambda: build(optimizer, "optimizer")([torch.zeros(1, requires_grad=True)]))
-    _engine_and_cluster(settings, modeled, tuple(fed[0]), int(fed[1]), engine=engine, model=model,
+    _engine_and_cluster(settings, modeled, tuple(fed[0]), int(fed[1]), flop, engine=engine, model=model,
                         optimizer=optimizer, dataset=dataset, heterogeneity=heterogeneity, scaling=scaling)
     return Plan(kind=kind, ranks=int(settings.ranks), steps=steps, engine=None, engine_choice=None, machines=1,
                 algorithm=label(algorithm), topology=label(topology), in_shape=tuple(int(d) for d in fed[0]),
@@ -258,14 +258,15 @@ def _algorithm(settings: Settings, modeled: bool, *, algorithm: Any, topology: A
     return notes, steps
 
 
-def _engine_and_cluster(settings: Settings, modeled: bool, in_shape: tuple[int, ...], classes: int, *, engine: Any,
-                        model: Any, optimizer: Any, dataset: Any, heterogeneity: Any, scaling: Any) -> None:
-    """What one batched program cannot hold (engine=stacked), stragglers' ranges, a modeled cluster's speed;
-    from the components' nodes."""
+def _engine_and_cluster(settings: Settings, modeled: bool, in_shape: tuple[int, ...], classes: int,
+                        forward_flop: int, *, engine: Any, model: Any, optimizer: Any, dataset: Any,
+                        heterogeneity: Any, scaling: Any) -> None:
+    """What one batched program cannot hold (engine=stacked), stragglers' ranges, a modeled cluster's speed
+    (declared, or its device's over ``forward_flop``, a sample's); from the components' nodes."""
     from bfexp.comm import engine_class
     from bfexp.config import build, label
     from bfexp.errors import ConfigError
-    from bfexp.scaling import declared_speed, missing_speed_message
+    from bfexp.scaling import missing_speed_message, rank_speed
 
     if not modeled and engine_class(engine).stacked:  # its optimizer, model, options
         from bfexp.comm.stacked import check_job
@@ -274,7 +275,7 @@ def _engine_and_cluster(settings: Settings, modeled: bool, in_shape: tuple[int, 
                   heterogeneity=heterogeneity)
     if heterogeneity is not None:  # stragglers: the constructor checks the ranges
         build(heterogeneity, "heterogeneity")
-    if modeled and not declared_speed(scaling, label(model)):
+    if modeled and rank_speed(scaling, label(model), forward_flop) is None:
         raise ConfigError(missing_speed_message(scaling, label(model)))
 
 

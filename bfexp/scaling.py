@@ -301,12 +301,36 @@ def declared_speed(scaling: Mapping[str, Any], model: str) -> float | None:
     return float(value) if value else None
 
 
+def device_speed(scaling: Mapping[str, Any], forward_flop_per_sample: float) -> float | None:
+    """One rank's training samples/s from the scaling config's device: its peak FLOP/s times the fraction a
+    step achieves, over a sample's training FLOP (the forward's over 1 - backward_fraction); None without
+    device figures or a counted forward."""
+    peak = float(scaling.get("device_peak_tflop_per_s") or 0.0) * 1e12
+    achieved = float(scaling.get("device_achieved_fraction") or 0.0)
+    if peak <= 0 or achieved <= 0 or not forward_flop_per_sample or forward_flop_per_sample <= 0:
+        return None
+    backward = float(scaling.get("backward_fraction", 0.667))
+    return peak * achieved * (1.0 - backward) / float(forward_flop_per_sample)
+
+
+def rank_speed(scaling: Mapping[str, Any], model: str, forward_flop_per_sample: float) -> tuple[float, str] | None:
+    """One rank's training samples/s on a modeled cluster and its source: the figure the scaling config
+    declares for the model (published measurements), else its device's FLOP/s over the model's counted FLOP;
+    None where it has neither."""
+    declared = declared_speed(scaling, model)
+    if declared:
+        return declared, "declared"
+    derived = device_speed(scaling, forward_flop_per_sample)
+    return (derived, "device FLOP/s") if derived else None
+
+
 def missing_speed_message(scaling: Mapping[str, Any], model: str) -> str:
     declared = sorted((scaling.get("compute_samples_per_s") or {}).keys())
     return (
         f"throughput_only=true on scaling={scaling['name']} needs the compute speed of model={model}; "
-        f"declared: {', '.join(declared) or 'none'}; allowed: one of those, or "
-        f"+scaling.compute_samples_per_s.{model}=<samples/s of one rank>"
+        f"declared: {', '.join(declared) or 'none'}, and no device figures; allowed: one of those, or "
+        f"+scaling.compute_samples_per_s.{model}=<samples/s of one rank>, or scaling.device_peak_tflop_per_s and "
+        "scaling.device_achieved_fraction (a step's FLOP are counted from the model)"
     )
 
 

@@ -74,8 +74,17 @@ class ScalingConfig:
     # where the reference ran (scaling=emulated): this machine's jitter is not a modeled cluster's.
     straggler_wait: bool = False
     # Training samples per second of ONE rank, by model name (compute only, no
-    # communication); models not listed use the measured single-rank reference.
+    # communication); models not listed use the device's figures below, else the measured
+    # single-rank reference.
     compute_samples_per_s: Dict[str, float] = field(default_factory=dict)
+    # One rank's device, for a model compute_samples_per_s does not list: its peak in TFLOP/s (10^12
+    # floating-point operations a second, dense, at the precision it trains in). A training step's FLOP: one
+    # sample's forward pass as the job's plan counts it (torch's FlopCounterMode: plan.json's
+    # forward_flop_per_sample) over 1 - backward_fraction (backward twice the forward at 0.667), times the
+    # batch. 0: no device figures (the model's speed is declared or measured).
+    device_peak_tflop_per_s: float = 0.0
+    # The fraction of device_peak_tflop_per_s a training step achieves (0: no device figures).
+    device_achieved_fraction: float = 0.0
     # Single-rank reference (the denominator of scaling efficiency): timed rounds of the
     # job's step on ONE rank (its wrapper, communication on the single-rank path), each
     # paired with a plain torch step; measured rounds are interleaved with training.

@@ -86,7 +86,7 @@ def modeled_block(scaling_node: Any, algorithm_node: Any, batch: int, ranks: int
     options = config.node_options(algorithm_node)
     traffic, period = algorithm.traffic_of(**options), int(options.get("communication_period", 1))
     wait_s = baseline_wait_s = 0.0
-    if scaling_node.get("straggler_wait") and source != "declared" and step_times:
+    if scaling_node.get("straggler_wait") and source == "measured here" and step_times:  # this machine's jitter
         if not algorithm.asynchronous:  # its ranks never wait for one another
             wait_s = costmodel.straggler_wait_s(step_times, traffic, ranks, topology, period)
         baseline_wait_s = costmodel.straggler_wait_s(step_times, Allreduce.traffic, ranks)
@@ -113,11 +113,12 @@ def bucket_count(algorithm: type, options: dict, param_bytes: int) -> int:
     return max(1, math.ceil(param_bytes / bucket_bytes))
 
 
-def compute_speed(scaling_node: Any, model: Any, measured: scaling.Spread | None) -> tuple[scaling.Spread | None, str]:
+def compute_speed(scaling_node: Any, model: Any, measured: scaling.Spread | None,
+                  forward_flop: int = 0) -> tuple[scaling.Spread | None, str]:
     """One rank's samples/s for the cost model: the scaling config's declared figure for the model (its node),
-    else the measured one."""
-    declared = scaling.declared_speed(scaling_node, config.label(model))
-    return (scaling.Spread.exact(declared), "declared") if declared else (measured, "measured here")
+    else its device's over ``forward_flop`` (one sample's forward, the plan's count), else the measured one."""
+    speed = scaling.rank_speed(scaling_node, config.label(model), forward_flop)
+    return (scaling.Spread.exact(speed[0]), speed[1]) if speed else (measured, "measured here")
 
 
 def machine_layout(engine_node: Any, engine: Any) -> dict:
@@ -170,13 +171,14 @@ def topology_ranks_per_machine(engine_node: Any, ranks: int, *, modeled: bool, s
 
 
 def modeled(identity: dict, settings: Settings, run_dir: Path, *, topology: Any, model: Any, dataset: Any,
-            scaling_node: Any, algorithm: Any, engine: Any) -> dict:
+            scaling_node: Any, algorithm: Any, engine: Any, forward_flop: int = 0) -> dict:
     """Throughput-only on a modeled cluster: no ranks start. Parameter sizes come from
-    the model built on torch's meta device, compute speed from the scaling config. ``identity``: the job's
+    the model built on torch's meta device, compute speed from the scaling config (declared, or its device's
+    over ``forward_flop``, one sample's forward as the plan counted it; counted here when 0). ``identity``: the job's
     (``job_identity``; its topology is the one built here), ``settings``: the run's; then the components' nodes."""
     import torch
 
-    from bfexp.models import parameter_count, sample_shape
+    from bfexp.models import forward_flop_per_sample, parameter_count, sample_shape
     from bfexp.topology import build_topology
 
     started = time.perf_counter()
@@ -184,9 +186,11 @@ def modeled(identity: dict, settings: Settings, run_dir: Path, *, topology: Any,
     graph = build_topology(topology, ranks, topology_ranks_per_machine(engine, ranks, modeled=True,
                                                                        scaling_node=scaling_node))
     in_shape, classes = sample_shape(model, config.build(dataset, "dataset"))
-    speed = scaling.declared_speed(scaling_node, config.label(model))
-    if not speed:
+    speed_and_source = scaling.rank_speed(scaling_node, config.label(model), forward_flop or
+                                          forward_flop_per_sample(model, in_shape, classes))
+    if speed_and_source is None:
         raise config.ConfigError(scaling.missing_speed_message(scaling_node, config.label(model)))
+    speed, source = speed_and_source
     count = parameter_count(model, in_shape, classes)
     summary = {**identity, "topology": graph.name}
     summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})
@@ -194,7 +198,7 @@ def modeled(identity: dict, settings: Settings, run_dir: Path, *, topology: Any,
     summary.update(scaling_block(
         scaling_node, None, None,
         modeled_block(scaling_node, algorithm, int(settings.batch_size), ranks, count, element_bytes, graph,
-                      scaling.Spread.exact(speed), "declared"),
+                      scaling.Spread.exact(speed), source),
         throughput_only=True,
     ))
     summary["wall_time_s"] = time.perf_counter() - started

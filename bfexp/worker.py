@@ -127,6 +127,7 @@ class Built:
     tokens: bool = False  # samples are token ids with a target per position (a language model's data)
     # One rank's model (the single-rank reference's); make_model's own unless the engine is stacked.
     make_rank_model: Callable[[], torch.nn.Module] | None = None
+    forward_flop_per_sample: int = 0  # as the driver's plan counted it (0: no plan)
 
     def rank_model(self) -> torch.nn.Module:
         return (self.make_rank_model or self.make_model)()
@@ -181,7 +182,8 @@ def build(settings: Settings, engine: Engine, *, dataset: Any, model: Any, optim
         engine.schedule()
     tokens = data.tokens if data is not None else bool(getattr(source, "tokens", False))
     return Built(made.topology, data, module, wrapper, net, make_model, make_optimizer, in_shape, classes, dtype,
-                 device, made.notes, tokens, make_rank_model)
+                 device, made.notes, tokens, make_rank_model,
+                 plan.forward_flop_per_sample if plan is not None else 0)
 
 
 def peak_memory_bytes() -> int:
@@ -860,7 +862,8 @@ def job_figures(settings: Settings, engine: Engine, job: Built, batch: int, time
         params = list(job.model.parameters())
         modeled = modeled_block(scaling_node, algorithm, int(settings.batch_size), n, rank_numel(job.model),
                                 params[0].element_size(), job.topology,
-                                *compute_speed(scaling_node, model, scaling.throughput_spread(1, batch, single_step)),
+                                *compute_speed(scaling_node, model, scaling.throughput_spread(1, batch, single_step),
+                                               job.forward_flop_per_sample),
                                 layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
     out = scaling_block(scaling_node, engine, measured, modeled, throughput_only=False, engine_node=engine_node,
                         launcher=launcher)
@@ -922,7 +925,8 @@ def throughput_only(settings: Settings, engine: Engine, run_dir: Path, *, identi
         params = list(job.model.parameters())
         modeled = modeled_block(scaling_node, algorithm, int(settings.batch_size), n, rank_numel(job.model),
                                 params[0].element_size(), job.topology,
-                                *compute_speed(scaling_node, model, scaling.throughput_spread(1, batch, compute)),
+                                *compute_speed(scaling_node, model, scaling.throughput_spread(1, batch, compute),
+                                               job.forward_flop_per_sample),
                                 layout_ranks_per_machine(engine), step_times=single.get("step_times_s") or ())
     summary = {**identity, "ranks": n, "engine": engine.name, "batch_size": batch}
     summary.update({"status": results.COMPLETED, "error": None, "throughput_only": True, "steps": 0})

@@ -505,6 +505,25 @@ def test_the_modeled_interval_spans_the_model_at_its_calibrations_ends(bfexp):
     check_figures(s)
 
 
+def test_a_model_no_cluster_lists_is_priced_from_its_counted_flop_and_the_clusters_device(bfexp):
+    """A modeled cluster's compute for a model whose speed it does not list: the device's peak x the fraction
+    a step achieves over the step's FLOP (3 x the forward the plan counted, backward_fraction 0.667). For the
+    default MLP (32-64-2), by hand: 2 x (32 x 64 + 64 x 2) = 4352 FLOP a sample's forward."""
+    from bfexp.scaling import device_speed
+
+    proc = bfexp("throughput_only=true", "scaling=v100_cluster", "model=mlp", "ranks=16", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr
+    s = load(bfexp.cwd / "run" / "summary.json")
+    assert json.loads((bfexp.cwd / "run" / "plan.json").read_text())["forward_flop_per_sample"] == 4352
+    speed = 125e12 * 0.235 * (1 - 0.667) / 4352
+    m = s["modeled"]
+    assert m["compute_source"] == "device FLOP/s"
+    assert m["single_rank_throughput_samples_per_s"] == pytest.approx(speed, rel=1e-9)
+    # ResNet-50's published speed is what the device's fraction came from: the two agree within 1%.
+    scaling = {"device_peak_tflop_per_s": 125.0, "device_achieved_fraction": 0.235, "backward_fraction": 0.667}
+    assert device_speed(scaling, 8.178e9) == pytest.approx(1200, rel=0.01)
+
+
 def test_throughput_only_on_real_ranks_measures_communication(bfexp, tmp_path):
     proc = bfexp("throughput_only=true", "ranks=2", "model=mlp", "baseline_steps=5",
                  f"scaling.reference_cache={tmp_path / 'cache'}", "hydra.run.dir=run")
@@ -518,7 +537,7 @@ def test_throughput_only_on_real_ranks_measures_communication(bfexp, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["throughput_only=true", "scaling=v100_cluster", "model=mlp"],
+    (["throughput_only=true", "scaling=v100_cluster", "model=mlp", "scaling.device_peak_tflop_per_s=0"],
      "throughput_only=true on scaling=v100_cluster needs the compute speed of model=mlp"),
     (["scaling.allreduce=tree"], "scaling.allreduce='tree'; allowed: ring, hierarchical"),
     (["scaling=v100_cluster", "ranks=12"], "ranks=12 does not fill machines of scaling.ranks_per_machine=8"),
@@ -526,6 +545,9 @@ def test_throughput_only_on_real_ranks_measures_communication(bfexp, tmp_path):
     (["scaling.reference=sometimes"], "scaling.reference='sometimes'; allowed: cached, fresh"),
     (["scaling.reference_load_margin=-1"], "scaling.reference_load_margin=-1.0; allowed: a number >= 0"),
     (["scaling.reference_threads=0"], "scaling.reference_threads=0; allowed: an integer >= 1"),
+    (["scaling=h100_cluster", "scaling.device_peak_tflop_per_s=-1"], "scaling.device_peak_tflop_per_s=-1.0; allowed: "),
+    (["scaling=h100_cluster", "scaling.device_achieved_fraction=1.5"],
+     "scaling.device_achieved_fraction=1.5; allowed: "),
     (["+scaling.calibration_ends.quick.inter_latency_s=1e-5"],
      "scaling.calibration_ends.quick: no such end; allowed: fast, slow"),
     (["+scaling.calibration_ends.fast.inter_bandwidth_gbyte_per_s=1"],
