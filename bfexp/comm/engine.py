@@ -131,7 +131,7 @@ from __future__ import annotations
 import abc
 import atexit
 import functools
-import sys
+import inspect
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -209,7 +209,9 @@ def forwards(function: Callable[..., Any]) -> Callable[..., Any]:
 def _call_site(depth: int) -> Any:
     """The frame ``depth`` levels above the caller, past wrappers named ``wait`` (an algorithm's own
     wait(handle) helper) and ``forwards`` functions. The calling thread's own frames only."""
-    frame: Any = sys._getframe(depth + 1)  # depth + 1 levels above this function
+    frame: Any = inspect.currentframe()
+    for _ in range(depth + 1):
+        frame = frame.f_back
     while (frame.f_code.co_name == "wait" or frame.f_code in _FORWARDERS) and frame.f_back is not None:
         frame = frame.f_back
     return frame
@@ -227,7 +229,7 @@ def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         if self.activity is not None:
             return method(self, *args, **kwargs)
-        site: Any = sys._getframe(1)
+        site: Any = inspect.currentframe().f_back  # type: ignore[union-attr]
         while site.f_code in _FORWARDERS and site.f_back is not None:  # bf.allreduce: its caller's line
             site = site.f_back
         self.activity = Activity(name, site.f_code, site.f_lineno)
