@@ -172,23 +172,24 @@ class EarlyRanks:
     @staticmethod
     def wanted(engine: Any, ranks: int, launcher: Launcher) -> bool:
         """Worth it and safe (the job's engine node, its ``ranks``): process ranks on this machine, with torch's
-        import still ahead of the driver, and memory for them twice over.
+        import still ahead of the driver, a processor slot left for the driver beside every rank, and memory for
+        them twice over.
 
-        The driver's checks run beside the ranks' start-up, so a job ends sooner by about torch's import:
-        with a processor slot left for the driver, a 1-rank job on 2 slots took 3.0-3.2 s instead of 4.0-4.3 s;
-        with none (4 ranks on 2 slots, scripts/bench_overhead.py --parts wall, interleaved with the checkout
-        that waited) `bfexp steps=1` took 11.4 s instead of 12.8 s (a bare mpiexec of 4 torch ranks: 9.0 s),
-        and the default job 11.6 s instead of 13.9 s: the driver alone used one of the two cores. A job refused
-        by the dry build pays for starting and ending mpiexec (0.5 s with a slot free; 2.0-3.6 s instead of
-        1.5-1.8 s on 2 slots with 4 ranks). The memory check comes first (ranks=1000 engine=mpi is refused
-        before this).
+        With a slot of its own the driver's checks run at full speed beside the ranks' start-up, so a job
+        ends sooner by about torch's import (1-rank job on 2 slots: 3.0-3.2 s instead of 4.0-4.3 s) and a
+        refused one costs only starting and ending mpiexec (about 0.5 s). Without one
+        (ranks >= slots) the two share the CPU: measured on 2 slots with 4 ranks, a refused job took
+        2.0-3.6 s instead of 1.5-1.8 s (a file of such refusals, tests/test_untrusted_input.py, 191 s instead
+        of 119 s), while a job that ran gained about a second (bfexp steps=1: 11.4 s instead of 12.8 s). Few
+        ranks, too: the memory check comes with the dry build, after this (ranks=1000 engine=mpi is refused
+        there).
         """
         from bfexp.comm import PROCESS_ENGINES
 
         if engine.name not in PROCESS_ENGINES or not launcher.on_this_machine or "torch" in sys.modules:
             return False
         ranks, memory = int(ranks), available_memory()
-        return memory is not None and ranks * PROCESS_RANK_BYTES * 2 <= memory
+        return ranks < processor_slots() and memory is not None and ranks * PROCESS_RANK_BYTES * 2 <= memory
 
     def go(self) -> None:
         self.taken = True  # the launch watches and ends them from here on

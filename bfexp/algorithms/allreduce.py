@@ -47,6 +47,8 @@ class Allreduce(DecentralizedOptimizer):
             super().begin_iteration()  # watch backward for gradient buckets
 
     def begins_before_forward(self) -> bool:
+        if type(self).begin_iteration is not Allreduce.begin_iteration:  # a subclass's own start of an iteration
+            return True
         return self.watches_backward()
 
     def bucket_ready(self, bucket: Bucket) -> Handle:

@@ -55,3 +55,38 @@ def test_overlapped_dsgd_on_one_rank_equals_the_plain_step():
     plain = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     for got in results:
         assert torch.equal(got, plain)
+
+
+def test_a_forward_pre_hook_only_where_an_iteration_has_work_before_forward():
+    """A hook on the model sends every forward call down torch's slow path, so the wrapper adds one only where
+    begin_iteration has work that must precede forward: cta's combine, awc's exchange, hooks to arm for
+    several buckets, a subclass's own begin_iteration. atc with the model in one bucket has none, and
+    skipping zero_grad() still trains as the plain step does (step() starts the bucket)."""
+    class Counting(DSGD):
+        def begin_iteration(self) -> None:
+            super().begin_iteration()
+
+    def hooked(cls=DSGD, **options) -> bool:
+        net = model()
+        opt = cls(torch.optim.SGD(net.parameters(), lr=0.1), ThreadsEngine(ThreadWorld(1), 0), FullyConnected(1),
+                  model=net, **options)
+        try:
+            return len(net._forward_pre_hooks) == 1
+        finally:
+            opt.close()
+
+    assert not hooked(style="atc") and not hooked(style="atc", overlap=False)
+    assert hooked(style="atc", bucket_mb=1e-9) and hooked(style="cta") and hooked(style="awc")
+    assert hooked(Counting, style="atc")
+    x, y = torch.randn(16, 6, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 3
+    net, plain = model(), model()
+    opt = DSGD(torch.optim.SGD(net.parameters(), lr=0.1), ThreadsEngine(ThreadWorld(1), 0), FullyConnected(1),
+               model=net)
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(3):  # no zero_grad(): gradients accumulate on both sides alike
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        F.cross_entropy(plain(x), y).backward()
+        sgd.step()
+    opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), plain.parameters()))
