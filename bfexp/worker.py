@@ -78,24 +78,16 @@ def train_step(net: torch.nn.Module | None, optimizer: Any, x: torch.Tensor | No
     if x is None:
         optimizer.step()
         return None
-    if pace is None and timeline is None and type(net) is not StackedModel:  # the common case, with less Python
-        optimizer.zero_grad()
-        loss = cross_entropy(net(model_input(x, dtype)), y)
-        loss.backward()
-        if isinstance(optimizer, DecentralizedOptimizer):
-            optimizer.observe_loss(loss.detach())
-        optimizer.step()
-        return loss
     if pace is not None:
         pace.before_step()
-    computing = time.perf_counter()
+        computing = time.perf_counter()
     optimizer.zero_grad()
     with span(timeline, "forward"):
         out = net(model_input(x, dtype))
         # Stacked ranks (bfexp.comm.stacked): each rank's mean loss; the sum's gradient is each rank's own.
         loss = net.losses(out, y) if isinstance(net, StackedModel) else cross_entropy(out, y)
     with span(timeline, "backward"):
-        loss.sum().backward()
+        (loss if loss.dim() == 0 else loss.sum()).backward()  # a scalar as it is: no extra op to run backward
     if pace is not None:
         pace.computed(time.perf_counter() - computing)
     if isinstance(optimizer, DecentralizedOptimizer):
