@@ -457,6 +457,21 @@ def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "
     class at every position). A small model is built and run on two zero samples on the CPU; a large one on
     torch's meta device (shapes, no memory, no compute). Returns its parameter count; ConfigError (one line)
     otherwise, where every rank would raise. Asked again in the same process, it answers from memory."""
+    return _fitted(node, in_shape, classes, data, tokens)[0]
+
+
+def forward_flop_per_sample(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "the data set",
+                            tokens: bool = False) -> int:
+    """Floating-point operations of one sample's forward pass (a multiply-add counts 2), as torch's
+    FlopCounterMode counts them in check_fits's forward (matrix products, convolutions and attention;
+    elementwise work is not counted, as in the published figures: ResNet-50 at 224x224, 4.1 G multiply-adds
+    = 8.2 GFLOP). What a cost model prices a device's compute with (training: about 3x, backward twice the
+    forward). ConfigError as check_fits."""
+    return _fitted(node, in_shape, classes, data, tokens)[1]
+
+
+def _fitted(node: Any, in_shape: tuple[int, ...], classes: int, data: str, tokens: bool) -> tuple[int, int]:
+    """check_fits's (parameters, forward FLOP a sample), from this process's memory when asked before."""
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
@@ -469,22 +484,7 @@ def check_fits(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "
     got = _FITS[key]
     if isinstance(got, str):
         raise ConfigError(got)
-    return got[0]
-
-
-def forward_flop_per_sample(node: Any, in_shape: tuple[int, ...], classes: int, data: str = "the data set",
-                            tokens: bool = False) -> int:
-    """Floating-point operations of one sample's forward pass (a multiply-add counts 2), as torch's
-    FlopCounterMode counts them in check_fits's forward (matrix products, convolutions and attention;
-    elementwise work is not counted, as in the published figures: ResNet-50 at 224x224, 4.1 G multiply-adds
-    = 8.2 GFLOP). What a cost model prices a device's compute with (training: about 3x, backward twice the
-    forward). ConfigError as check_fits."""
-    check_fits(node, in_shape, classes, data, tokens)
-    from omegaconf import OmegaConf
-
-    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    return _FITS[(components.target_of(node, "model"), repr(plain), tuple(in_shape), int(classes), data,
-                  bool(tokens))][1]
+    return got
 
 
 @torch.no_grad()
