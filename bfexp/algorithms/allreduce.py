@@ -47,9 +47,7 @@ class Allreduce(DecentralizedOptimizer):
             super().begin_iteration()  # watch backward for gradient buckets
 
     def begins_before_forward(self) -> bool:
-        if type(self).begin_iteration is not Allreduce.begin_iteration:  # a subclass's own start of an iteration
-            return True
-        return self.watches_backward()
+        return self.begins_its_own_way(Allreduce) or self.watches_backward()
 
     def bucket_ready(self, bucket: Bucket) -> Handle:
         part = self.grad[bucket.start : bucket.stop]

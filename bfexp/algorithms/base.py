@@ -381,7 +381,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         the model runs it there; zero_grad() does too). A hook sends every forward call down torch's slow
         path (about 9 us a call here), so a rule whose start-of-iteration work is only arming the buckets'
         backward hooks, with none to arm (the model fits one bucket), has none: step() starts the buckets."""
-        return type(self).begin_iteration is not DecentralizedOptimizer.begin_iteration or self.watches_backward()
+        return self.begins_its_own_way(DecentralizedOptimizer) or self.watches_backward()
+
+    def begins_its_own_way(self, rule: type) -> bool:
+        """Whether this object's class has a begin_iteration other than ``rule``'s (a subclass's own work,
+        which begins_before_forward cannot see into: it gets the hook)."""
+        return type(self).begin_iteration is not rule.begin_iteration
 
     def watches_backward(self) -> bool:
         """Buckets whose gradients are watched during backward (overlap, more than one bucket)."""

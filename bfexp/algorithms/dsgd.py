@@ -92,9 +92,8 @@ class DSGD(DecentralizedOptimizer):
         self._backward_at = self.iteration
 
     def begins_before_forward(self) -> bool:
-        if type(self).begin_iteration is not DSGD.begin_iteration:  # a subclass's own start of an iteration
-            return True
-        return self.style != "atc" or self.watches_backward()  # awc starts its exchange, cta combines
+        # awc starts its exchange there, cta combines
+        return self.begins_its_own_way(DSGD) or self.style != "atc" or self.watches_backward()
 
     def late_begin(self) -> None:
         # A backward pass ran before the combine: its gradient is not at W X.
