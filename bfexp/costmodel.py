@@ -303,6 +303,56 @@ def neighbor_exchange_s(cluster: Cluster, topology: Any, nbytes: float, decoded_
                for t in range(period)) / period
 
 
+def hierarchical_exchange_s(cluster: Cluster, n: int, machine_edges: Iterable[tuple[int, int]], nbytes: float) -> float:
+    """A hierarchical neighbor exchange (BlueFog's): each machine averages inside (an allreduce over its
+    ranks' links), its machines' exchange of ``nbytes`` crosses the network over ``machine_edges`` (one
+    flow per machine edge, as one rank a machine would send it), and each machine's result reaches its
+    ranks (a broadcast inside, priced as half an allreduce)."""
+    local, machines = cluster.local_size(n), cluster.machines(n)
+    inside = Cluster(cluster.name, 0, cluster.intra, cluster.intra, reduce_bytes_per_s=cluster.reduce_bytes_per_s,
+                     cores=cluster.cores)
+    average = 1.5 * ring_allreduce_s(inside, local, nbytes) if local > 1 else 0.0
+    leaders = Cluster(cluster.name, 1, cluster.intra, cluster.inter, nic_shared=False,
+                      reduce_bytes_per_s=cluster.reduce_bytes_per_s, cores=cluster.cores,
+                      stack_bytes_per_s=cluster.stack_bytes_per_s, switch_bytes_per_s=cluster.switch_bytes_per_s)
+    across = exchange_s(leaders, machines, machine_edges, nbytes) if machines > 1 else 0.0
+    return average + across
+
+
+# What a recorded engine operation is priced as (operation_s): a collective, or a message on each edge of a graph.
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "barrier")
+EXCHANGES = ("neighbor_allreduce", "neighbor_allgather", "win_put", "win_accumulate", "win_get", "win_exchange")
+
+
+def operation_s(cluster: Cluster, n: int, op: str, message_bytes: float,
+                edges: Sequence[tuple[int, int]] = (), decoded_bytes: float = 0.0) -> float:
+    """One engine operation as a rank posted it (bfexp.ledger records them): ``message_bytes`` is one
+    rank's message (a collective's vector; an exchange's message on each edge), ``edges`` the
+    (sender, receiver) pairs of an exchange, every rank's (a hierarchical one's: machines'). Collectives
+    at their bandwidth-optimal schedules: allreduce as the cluster runs it, allgather and broadcast as
+    rings (a broadcast pipelined in n pieces), a barrier as an allreduce of nothing; window operations
+    as the messages they move. Operations a step did not send (win_update, win_create) cost nothing.
+    ``decoded_bytes``: a compressor's payloads (an allgather's, a neighbor exchange's) are rebuilt as dense
+    vectors of that size by their receivers before they are added (decode_s)."""
+    if n <= 1:
+        return 0.0
+    if op == "allreduce":
+        return allreduce_s(cluster, n, message_bytes)
+    if op == "allgather":
+        return ring_allgather_s(cluster, n, message_bytes, decoded_bytes)
+    if op == "broadcast":
+        return ring_allgather_s(cluster, n, message_bytes / n)
+    if op == "barrier":
+        return allreduce_s(cluster, n, 0.0)
+    if op in ("neighbor_allreduce", "neighbor_allgather"):
+        return exchange_s(cluster, n, edges, message_bytes, decoded_bytes) if edges else 0.0
+    if op in EXCHANGES:
+        return exchange_s(cluster, n, edges, message_bytes) if edges else 0.0
+    if op == "hierarchical_neighbor_allreduce":
+        return hierarchical_exchange_s(cluster, n, edges, message_bytes)
+    return 0.0
+
+
 # ---------------------------------------------------------------- one step
 
 

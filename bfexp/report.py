@@ -81,6 +81,9 @@ class Job:
     summary: dict
     records: list[dict]
     overrides: dict[str, str]
+    # cluster name -> each record's modeled training time (s) there: the run's own pricing (the records'
+    # modeled_time_s) and any cluster the report was asked to reprice on (modeled_times)
+    modeled: dict[str, list[float | None]] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -146,7 +149,43 @@ def load_job(job_dir: Path, root: Path) -> Job:
     if bad_metrics:
         summary = {**summary, "error": "; ".join(filter(None, [summary.get("error"), f"damaged metrics: {bad_metrics}"]))}
     name = job_dir.name if job_dir == root else str(job_dir.relative_to(root))
-    return Job(job_dir, name, summary, metrics, read_overrides(job_dir))
+    job = Job(job_dir, name, summary, metrics, read_overrides(job_dir))
+    own = summary.get("modeled_cluster")
+    if own and metrics and any(_finite(rec.get("modeled_time_s")) for rec in metrics):
+        job.modeled[str(own)] = [rec["modeled_time_s"] if _finite(rec.get("modeled_time_s")) else None for rec in metrics]
+    return job
+
+
+def cluster_node(name: str) -> Any:
+    """The scaling config of a shipped cluster (conf/scaling/<name>.yaml, as ``scaling=<name>`` composes it);
+    ConfigError naming the shipped ones for any other name."""
+    from omegaconf import OmegaConf
+
+    from bfexp.components import option_node
+
+    return OmegaConf.create(option_node("scaling", name))
+
+
+def modeled_times(job: Job, scaling_node: Any) -> list[float | None] | None:
+    """Each record's training time with the job's recorded steps (its operations.json) priced on the cluster
+    of ``scaling_node``, as the run prices them (bfexp.ledger); None for a job without a ledger or a compute
+    speed (the cluster's for the model, else the job's own single-rank reference)."""
+    from bfexp.ledger import Ledger, Prices
+
+    try:
+        ledger = Ledger.load(job.path)
+    except (ValueError, KeyError, TypeError):  # a damaged or foreign operations.json: the job is not repriced
+        return None
+    if ledger is None or not ledger.facts:
+        return None
+    step = scaling.get(job.summary.get("reference") or {}, "step_time_s")
+    measured = ledger.facts["batch_size"] / step.value if step is not None and step.value > 0 else None
+    prices = Prices.on(scaling_node, ledger.facts, measured)
+    if prices is None:
+        return None
+    ends = prices.cumulative(ledger)
+    return [ends[rec["step"] - 1] if isinstance(rec.get("step"), int) and 0 < rec["step"] <= len(ends) else None
+            for rec in job.records]
 
 
 def _job_order(job: Job) -> tuple:
@@ -214,6 +253,8 @@ def build_table(jobs: list[Job]) -> Table:
             if isinstance(value, dict):
                 row.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, (dict, list))})
         row.update({k: swept_value(job, k) for k in swept})
+        for cluster, times in job.modeled.items():
+            row[f"modeled_train_time_s@{cluster}"] = times[-1] if times else None
         row.update(time_to_targets(job, jobs, swept))
         rows.append(row)
 
@@ -221,8 +262,13 @@ def build_table(jobs: list[Job]) -> Table:
         return any(r.get(key) not in (None, "") for r in rows)
 
     varying_identity = [k for k in IDENTITY_FIELDS if k not in swept and len({str(r.get(k)) for r in rows}) > 1]
+    # per cluster priced (modeled_times): the cluster's columns together, each kind in one order
+    kinds = ["modeled_train_time_s", *[f"{m}_{k}" for k in ("target_accuracy", "target_eval_loss")
+                                       for m in ("time_to", "speedup_at")]]
+    priced = sorted({k for r in rows for k in r if "@" in k and present(k)},
+                    key=lambda k: (k.split("@", 1)[1], kinds.index(k.split("@")[0]) if k.split("@")[0] in kinds else 99, k))
     columns = ["job", *swept, *varying_identity,
-               *[k for k in TABLE_FIELDS if (present(k) or k == "status") and k not in BOUNDS]]
+               *[k for k in TABLE_FIELDS if (present(k) or k == "status") and k not in BOUNDS], *priced]
     # The CSV keeps a stable schema (every known figure and its interval's ends, empty where a job
     # lacks them) plus any newer field.
     speedup_at = TABLE_FIELDS.index(results.high_key("speedup_vs_baseline")) + 1
@@ -339,15 +385,23 @@ def noise_notes(jobs: list[Job], swept: list[str], key: str = "throughput_sample
     return found
 
 
+# The console's columns of a priced cluster (report.csv keeps every one): its header, then the cluster's name.
+PRICED_LABELS = {"modeled_train_time_s": "modeled s", "time_to_target_accuracy_s": "t->acc s",
+                 "speedup_at_target_accuracy": "speedup@acc"}
+
+
 def render_table(table: Table, title: str) -> Any:
     """The table for the console (rich): short headers, job numbers, errors cut short."""
     from rich.table import Table as RichTable
 
     numbered = all(re.match(r"\d+(?:_|$)", r["job"]) for r in table.rows)
-    columns = [c for c in table.columns if c not in TABLE_FIELDS or c in CONSOLE_FIELDS]
+    columns = [c for c in table.columns if (c not in TABLE_FIELDS or c in CONSOLE_FIELDS)
+               and ("@" not in c or c.split("@")[0] in PRICED_LABELS)]
     out = RichTable(title=title, title_justify="left")
     for col in columns:
         label = "#" if (col == "job" and numbered) else CONSOLE_LABELS.get(col, col)
+        if "@" in col:  # a figure on a priced cluster (modeled_times): short, with the cluster's name
+            label = f"{PRICED_LABELS[col.split('@')[0]]} {col.split('@', 1)[1]}"
         numeric = col not in ("job", "status", "time_source", *table.swept, *IDENTITY_FIELDS)
         out.add_column(label, justify="right" if numeric else "left", overflow="fold", min_width=len(label))
     for row in table.rows:
@@ -413,10 +467,12 @@ def time_axis_label(records: list[dict]) -> str:
     return "training time (s): sum of measured step times"
 
 
-def time_to_target(records: list[dict], key: str, target: float, higher_is_better: bool) -> float | None:
+def time_to_target(records: list[dict], key: str, target: float, higher_is_better: bool,
+                   times: list[float | None] | None = None) -> float | None:
     """The training time of the first record whose ``key`` reaches ``target`` (>= for accuracy,
-    <= for a loss); None when no record does."""
-    for t, rec in zip(time_axis(records), records):
+    <= for a loss); None when no record does. ``times``: each record's time (a cluster's modeled
+    times), instead of time_axis's."""
+    for t, rec in zip(time_axis(records) if times is None else times, records):
         value = rec.get(key)
         if _finite(t) and _finite(value) and (value >= target if higher_is_better else value <= target):
             return t
@@ -467,6 +523,12 @@ def time_to_targets(job: Job, jobs: list[Job], swept: list[str]) -> dict[str, An
             continue
         out[key] = target
         out[f"time_to_{key}_s"] = time_to_target(job.records, metric, target, higher)
+        for cluster, times in job.modeled.items():  # on each cluster priced: the time and the speedup at the target
+            reached = out[f"time_to_{key}_s@{cluster}"] = time_to_target(job.records, metric, target, higher, times)
+            theirs = (time_to_target(base.records, metric, target, higher, base.modeled.get(cluster))
+                      if base is not None and base.modeled.get(cluster) else None)
+            if reached and theirs:
+                out[f"speedup_at_{key}@{cluster}"] = theirs / reached
         if metric == "accuracy":  # budget runs also record the average model's and the worst rank's
             for column, suffix in (("average_model_accuracy", "average_model"), ("worst_accuracy", "worst_rank")):
                 if any(_finite(rec.get(column)) for rec in job.records):
@@ -708,6 +770,33 @@ class Plotter:
             self.footnote(fig)
             self.save(fig, f"training_ranks{r}.png" if len(groups) > 1 else "training.png")
 
+    def modeled_plots(self) -> None:
+        """Held-out accuracy and training loss against modeled training time, one figure per cluster priced
+        (the run's own, and each the report was asked for), its name in the title and the file's."""
+        clusters = list(dict.fromkeys(c for j in self.ok for c in j.modeled))
+        for cluster in clusters:
+            jobs = [j for j in self.ok if j.modeled.get(cluster)]
+            fig = self.figure(11, 4.4)
+            axes = fig.subplots(1, 2)
+            for ax, key, ylabel in ((axes[0], "accuracy", "held-out accuracy (fraction, mean over ranks)"),
+                                    (axes[1], "loss", "training loss (cross-entropy, mean over ranks)")):
+                for i, job in enumerate(jobs):
+                    pts = [(t, rec[key]) for t, rec in zip(job.modeled[cluster], job.records)
+                           if _finite(t) and _finite(rec.get(key))]
+                    if pts:
+                        ax.plot(*zip(*pts), marker=".", ms=3, lw=1.2, color=self.colors.get(series_label(job, self.swept)),
+                                label=job_label(job, self.swept), ls=["-", "--", "-.", ":"][i % 4])
+                ax.set_xlabel(f"modeled training time on {cluster} (s)")
+                ax.set_ylabel(ylabel, fontsize=9)
+                ax.grid(True, alpha=0.3)
+            handles, labels = axes[0].get_legend_handles_labels()
+            if handles:
+                fig.legend(handles, labels, loc="outside right upper", fontsize=8)
+            fig.suptitle(f"Accuracy and loss against modeled time on {cluster}")
+            self.footnote(fig, "Modeled time: each recorded step's operations priced by bfexp's cost model "
+                               f"(compute from {cluster}'s device or declared speed, else the job's measured one).")
+            self.save(fig, f"modeled_{re.sub(r'[^A-Za-z0-9_.-]', '_', cluster)}.png")
+
     def consensus_plot(self) -> None:
         fig = self.figure()
         ax = fig.add_subplot()
@@ -782,6 +871,7 @@ def draw_plots(out: Path, jobs: list[Job], swept: list[str]) -> tuple[list[Path]
         return [], ["No plots: no job completed."]
     plotter.scaling_plots()
     plotter.training_plots()
+    plotter.modeled_plots()
     plotter.consensus_plot()
     plotter.bytes_plot()
     plotter.bytes_plot("perplexity")  # drawn where some job logged a perplexity (a language model's)
@@ -809,14 +899,22 @@ def refused_points(root: Path) -> list[tuple[list[str], str]]:
     return [([str(o) for o in p.get("overrides", [])], str(p.get("reason", ""))) for p in listed if isinstance(p, dict)]
 
 
-def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, plots: bool = True) -> Report:
-    """Collect every job under root and write report.csv, report.md and plots into out (default: root)."""
+def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, plots: bool = True,
+                 clusters: Iterable[str] = ()) -> Report:
+    """Collect every job under root and write report.csv, report.md and plots into out (default: root).
+    ``clusters``: shipped scaling configs to price every job's recorded steps on (modeled_times)."""
     root = Path(root)
     if not root.is_dir():
         raise NoJobsError(f"{root} is not a folder")
+    nodes = {name: cluster_node(name) for name in clusters}  # a bad name: before any job is read
     jobs = collect(root)
     if not jobs:
         raise NoJobsError(f"no jobs under {root} (a job folder has summary.json or .hydra/overrides.yaml)")
+    for name, node in nodes.items():
+        for job in jobs:
+            times = modeled_times(job, node) if job.ok else None
+            if times is not None:
+                job.modeled[name] = times
     out_dir = Path(out) if out is not None else root
     out_dir.mkdir(parents=True, exist_ok=True)
     table = build_table(jobs)
@@ -877,9 +975,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folder", help="a multirun folder (multirun/<date>/<time>), a run folder, or any folder of them")
     parser.add_argument("--out", help="where to write the report (default: the folder itself)")
     parser.add_argument("--no-plots", action="store_true", help="only the table: report.csv and report.md")
+    parser.add_argument("--cluster", default="", metavar="NAME[,NAME...]",
+                        help="price every job's recorded steps on these shipped clusters (scaling=NAME) without "
+                             "rerunning: modeled time, time to target and speedup at the target, and plots")
     args = parser.parse_args(argv)
     try:
-        report = write_report(args.folder, args.out, plots=not args.no_plots)
+        report = write_report(args.folder, args.out, plots=not args.no_plots,
+                              clusters=[c.strip() for c in args.cluster.split(",") if c.strip()])
     except ConfigError as e:  # no jobs there, a damaged file of the sweep's own
         print(f"bfexp-report: error: {e}", file=sys.stderr)
         sys.exit(2)

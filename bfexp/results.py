@@ -112,6 +112,9 @@ FIELDS = (
     # Time to accuracy: the training time the job's metrics.jsonl records carry (time_s: simulated on virtual
     # ranks, measured on real ones), and the report's time to reach a target (config, else the allreduce job's).
     Field("train_time_s", "train s", "training time (s)", console=False),
+    # The same steps priced on the scaling config's cluster (bfexp.ledger), where its compute speed is known.
+    Field("modeled_train_time_s", "modeled s", "modeled training time (s)", console=False),
+    Field("modeled_cluster", "cluster", "cluster modeled", console=False),
     # Seconds a rank spent evaluating the held-out set (mean over ranks), apart from training time.
     Field("eval_time_s", "eval s", "evaluation time (s)", console=False),
     # Ranks whose held-out figures final_accuracy and final_eval_loss average: every rank, or on

@@ -21,7 +21,7 @@ from bfexp.config import launcher_of
 from bfexp.schema import Settings
 
 __all__ = ["compute_speed", "failed_summary", "job_identity", "machine_layout", "modeled", "modeled_block",
-           "reference_fields", "scaling_block", "topology_ranks_per_machine"]
+           "pricing_facts", "reference_fields", "scaling_block", "topology_ranks_per_machine"]
 
 
 def job_identity(cfg: Any, **actual: Any) -> dict:
@@ -100,6 +100,18 @@ def modeled_block(scaling_node: Any, algorithm_node: Any, batch: int, ranks: int
         baseline_buckets=bucket_count(Allreduce, {}, param_count * element_bytes),
         wait_s=wait_s, baseline_wait_s=baseline_wait_s, ends=scaling.calibration_clusters(where),
     )
+
+
+def pricing_facts(algorithm_node: Any, model_node: Any, batch: int, param_bytes: int, forward_flop: int) -> dict:
+    """What pricing a job's recorded steps on any cluster needs besides the cluster (bfexp.ledger.Prices.on):
+    plain data, kept in operations.json, so that repricing a folder imports nothing it names."""
+    algorithm = config.target_of(algorithm_node, "algorithm")
+    options = config.node_options(algorithm_node)
+    traffic = algorithm.traffic_of(**options)
+    return {"model": config.label(model_node), "batch_size": int(batch), "forward_flop_per_sample": int(forward_flop),
+            "overlap": bool(options.get("overlap", True)), "buckets": bucket_count(algorithm, options, param_bytes),
+            # a compressor's payloads: each received one is rebuilt as this many dense bytes before it is added
+            "decoded_bytes": traffic.decoded_bytes(param_bytes)}
 
 
 def bucket_count(algorithm: type, options: dict, param_bytes: int) -> int:

@@ -34,11 +34,12 @@ from bfexp import budget, cgroups, checkpoint, checkpointer, config, probes, res
 from bfexp.config import job_kind
 from bfexp.algorithms import Allreduce, DecentralizedOptimizer
 from bfexp.assembly import assemble, layout_ranks_per_machine
-from bfexp.summary import compute_speed, job_identity, modeled_block, reference_fields, scaling_block
+from bfexp.summary import compute_speed, job_identity, modeled_block, pricing_facts, reference_fields, scaling_block
 from bfexp.comm.engine import Engine
 from bfexp.comm.stacked import StackedData, StackedModel, StackedSampler
 from bfexp.data import BatchSampler, RankData
 from bfexp.heterogeneity import Heterogeneity, Pace
+from bfexp.ledger import Ledger, Prices
 from bfexp.schema import Settings
 from bfexp.torch_internals import defer_dynamo
 from bfexp.metrics import (EvalSchedule, StepTimer, consensus_distance, cross_entropy, evaluate, gather_floats,
@@ -295,12 +296,28 @@ class Training:
         self.ended = "steps"  # what ended training: steps, budget, stop, diverged
         self.resumed = resumed  # an asynchronous budget run's own state: its place at the cut, its copies
         self.cgroup: Path | None = None  # a CPU-starved rank's cgroup (heterogeneity.cpu_quota)
+        # Modeled time (bfexp.ledger): rank 0 records what each training step sent (operations.json), and on a
+        # cluster whose compute speed it knows prices each step as it goes (metrics.jsonl's modeled_time_s).
+        self.ledger = self.prices = None
+        self.modeled_s = 0.0
+        if engine.rank == 0:
+            saved = resumed.get("ledger")
+            self.ledger = Ledger.from_json(saved) if saved else Ledger(engine.size, engine.rank)
+            engine.ledger = self.ledger
+            params = list(job.model.parameters())
+            self.ledger.facts = pricing_facts(algorithm, model, int(settings.batch_size),
+                                              rank_numel(job.model) * params[0].element_size(),
+                                              job.forward_flop_per_sample)
+            self.prices = Prices.on(scaling_node, self.ledger.facts)
+            if self.prices is not None and saved:
+                self.modeled_s = (self.prices.cumulative(self.ledger) or [0.0])[-1]
 
     def state(self) -> dict:
         """What a checkpoint keeps of the loop besides the model, the algorithm and the sampler."""
         return {"interval_loss": self.interval_loss, "interval_n": self.interval_n, "record": self.record,
                 "bytes_sent": self.bytes_sent, "elapsed_s": self.elapsed(), "time_s": self.clock.now_s(),
-                "eval_time_s": self.evals.time_s, "last_eval": self.last_eval}
+                "eval_time_s": self.evals.time_s, "last_eval": self.last_eval,
+                "ledger": self.ledger.to_json() if self.ledger is not None else None}
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.started
@@ -360,12 +377,19 @@ class Training:
         x, y = self.sampler.next()
         x, y = x.to(job.device), y.to(job.device)
         sent_before = engine.bytes_sent
+        ledger = self.ledger
+        if ledger is not None:
+            ledger.begin()
         self.timer.start(engine)
         self.clock.start()
         loss = train_step(job.net, job.optimizer, x, y, job.dtype, engine.timeline, self.pace)
         self.clock.stop()
         self.timer.stop(engine)
         self.bytes_sent += engine.bytes_sent - sent_before
+        if ledger is not None:
+            index = ledger.end()
+            if self.prices is not None:
+                self.modeled_s += self.prices.step_s(ledger, index)
         return loss
 
     def run_locked(self) -> Trained:
@@ -413,6 +437,7 @@ class Training:
         summary["wall_time_s"] = time.perf_counter() - self.started
         summary["peak_memory_bytes"] = peak_memory_bytes()
         if engine.rank == 0:
+            self.ledger.save(self.run_dir)
             results.write_json_atomic(self.run_dir / results.SUMMARY, summary)
         return Trained(summary, float(loss.detach().mean()) if loss is not None else None, parameters)
 
@@ -457,6 +482,8 @@ class Training:
             "time_s": self.clock.latest_s(),  # collective: the last rank's training time
             "time_source": engine.time_source,
         }
+        if self.prices is not None:  # rank 0's: the steps so far priced on the scaling config's cluster
+            self.record["modeled_time_s"] = self.modeled_s
         if engine.rank == 0:
             results.append_jsonl(self.run_dir / results.METRICS, self.record)
         return stop
@@ -577,6 +604,7 @@ class Training:
         optimizer.close()
         summary["wall_time_s"] = time.perf_counter() - self.started
         if engine.rank == 0:
+            self.ledger.save(self.run_dir)
             results.write_json_atomic(self.run_dir / results.SUMMARY, summary)
         return Trained(summary, float(loss.detach()) if loss is not None else None, parameters)
 
@@ -666,6 +694,10 @@ class Training:
             **({} if self.unlocked else self.rank_figures(step, self.clock.now_s())),
             "train_time_s": record.get("time_s"),
             "train_time_source": engine.time_source,
+            # The steps priced on the scaling config's cluster (rank 0's ledger, bfexp.ledger): None where the
+            # cluster's compute speed for this model is not known before the run.
+            **({"modeled_train_time_s": self.modeled_s, "modeled_cluster": self.prices.cluster.name}
+               if self.prices is not None else {}),
             # Held-out evaluation, apart from training: seconds per rank (mean over ranks), how many, how often.
             "eval_time_s": eval_time_s,
             "evaluations": self.evals.count,

@@ -617,6 +617,7 @@ class Engine(abc.ABC):
         self.activity: Activity | None = None
         self.fault: Callable[[], Any] | None = None  # an injected fault (see the class doc)
         self.bytes_sent = 0  # bytes this rank has put on the wire, as ``sent_bytes`` counts them
+        self.ledger: Any = None  # a bfexp.ledger.Ledger told of every op posted (rank 0 of a training job)
         self._blocking_depth = 0
         self._windows: dict[str, Window] = {}
         # Exchanges the static topology gives (weights left out) whose declarations were found consistent.
@@ -932,7 +933,7 @@ class Engine(abc.ABC):
                 repeat = self._post_repeated_neighbor_allreduce(key, tensors, t)
                 if repeat is not None:
                     pending, nbytes = repeat
-                    return self._track(op, nbytes, started, *pending)
+                    return self._track(op, nbytes, started, *pending, peers=("graph", self.topology, t, False))
         spec = self.topology_spec(t) if given_weights else self.neighbor_spec(self_weight, src_weights, dst_weights, t)
         call = self._weighted_call(op, tensors, inplace, spec, "src", "dst")
         nbytes = call.nbytes * len(spec.dst_weights)  # what this rank sends
@@ -946,7 +947,8 @@ class Engine(abc.ABC):
                 decl = Declaration(op, self.size, spec.src_weights, spec.dst_weights, call.numel, call.dtype,
                                    learned=self._patterns.learner(key, self.topology))
         pending = self._post_neighbor_allreduce(call, spec, decl, blocking)
-        return self._track(op, nbytes, started, *pending, **call.meta)
+        peers = ("graph", self.topology, t, False) if given_weights else ("dst", list(spec.dst_weights))
+        return self._track(op, nbytes, started, *pending, peers=peers, **call.meta)
 
     def _hierarchical(
         self, tensors: TensorOrList, self_weight: float | None, src_weights: Weights | None,
@@ -960,7 +962,8 @@ class Engine(abc.ABC):
         if self.check_neighbors:
             srcs, dsts = spec.src_weights, spec.dst_weights
             decl = MachineDeclaration(self.machines, self.local_size, srcs, dsts, call.numel, call.dtype)
-        return self._track(op, call.nbytes, started, *self._post_hierarchical(call, spec, decl), **call.meta)
+        return self._track(op, call.nbytes, started, *self._post_hierarchical(call, spec, decl),
+                           peers=("machines", list(spec.dst_weights)), **call.meta)
 
     def _weighted_call(self, op: str, tensors: TensorOrList, inplace: bool, spec: NeighborSpec, *peers: str) -> Call:
         """The call of a weighted exchange: floating tensors only; the timeline names its ``peers``."""
@@ -1324,16 +1327,20 @@ class Engine(abc.ABC):
         started: float,
         wait_fn: Callable[[], Any],
         test_fn: Callable[[], bool] | None = None,
+        peers: Any = None,
         **args: Any,
     ) -> Handle:
         """A Handle that counts posting and waiting as communication time and records the op.
 
         ``started`` is ``time.perf_counter()`` when the op was called; without
         ``test_fn`` nothing is in flight (``wait`` only finishes local work), so
-        ``done()`` is True.
+        ``done()`` is True. ``peers``: who an exchange reaches, for the ledger
+        (bfexp.ledger.Ledger.add), where ``args`` (the timeline's) do not say it.
         """
         posted = time.perf_counter()
         self.bytes_sent += sent_bytes(op, nbytes, self.size)
+        if self.ledger is not None:
+            self.ledger.add(op, nbytes, peers if peers is not None else ledger_peers(op, args))
         if self._blocking_depth == 0:
             self.comm_time_s += posted - started
         token = self.timeline.begin(op, started, nbytes, **args) if self.timeline is not None else None
@@ -1360,6 +1367,18 @@ class Engine(abc.ABC):
 
 def _nothing_in_flight() -> bool:
     return True
+
+
+def ledger_peers(op: str, args: dict) -> Any:
+    """Who an op's record (``_track``'s ``args``) says it reached, as bfexp.ledger takes it: a neighbor op's
+    or a put's destinations, a get's sources, a hierarchical op's machines; None for a collective."""
+    if "dst" in args:
+        return ("dst", args["dst"])
+    if "src" in args and op in ("win_get", "win_exchange"):
+        return ("src", args["src"])
+    if "dst_machines" in args:
+        return ("machines", args["dst_machines"])
+    return None
 
 
 def sent_bytes(op: str, nbytes: int, size: int) -> int:

@@ -243,7 +243,8 @@ class StackedEngine(Engine):
         degree = self._mixed(x, topology, t, scale, out)
         delivered = deliver()
         message = call.nbytes if wire_bytes is None else int(wire_bytes) * self._size
-        return self._track("neighbor_allreduce", int(message * degree), started, lambda: delivered)
+        return self._track("neighbor_allreduce", int(message * degree), started, lambda: delivered,
+                           peers=("graph", topology, t, True))
 
     def _mixed(self, x: torch.Tensor, topology: Any, t: int, scale: float, out: torch.Tensor) -> float:
         """``x`` (elements, ranks) mixed by round t of ``topology`` into ``out`` (``x`` itself, or a buffer
@@ -277,7 +278,8 @@ class StackedEngine(Engine):
         out, deliver = self.result(call, x)
         degree = self._mixed(x, self.topology, t, 1.0, out)
         delivered = deliver()
-        return self._track("neighbor_allreduce", int(call.nbytes * degree), started, lambda: delivered)
+        return self._track("neighbor_allreduce", int(call.nbytes * degree), started, lambda: delivered,
+                           peers=("graph", self.topology, t, True))
 
     def _hierarchical(self, tensors: TensorOrList, self_weight: float | None, src_weights: Any, dst_weights: Any,
                       inplace: bool) -> Handle:
@@ -298,7 +300,8 @@ class StackedEngine(Engine):
         out, deliver = self.result(call, x)
         out.view(x.shape[0], self.machines, self.local_size).copy_(mixed.unsqueeze(2))
         delivered = deliver()
-        return self._track("hierarchical_neighbor_allreduce", int(call.nbytes * degree), started, lambda: delivered)
+        return self._track("hierarchical_neighbor_allreduce", int(call.nbytes * degree), started, lambda: delivered,
+                           peers=("machines", list(self.machine_topology.weights(0, 0).dst_weights), degree))
 
     def _machine_matrix(self, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
         topology = self.machine_topology

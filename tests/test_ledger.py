@@ -1,0 +1,182 @@
+"""Modeled time for every step on a named cluster (issue 48): rank 0's ledger of what each training step sent
+(bfexp.ledger), priced by the cost model as the job runs (metrics.jsonl's modeled_time_s) and again by
+``bfexp-report --cluster`` on any shipped cluster without rerunning.
+
+References: the cost model's own functions on graphs built here by hand (ring, exp2), the summary's modeled
+block (priced from the algorithm's stated traffic, not from the ledger), and the run-time figures against the
+report's repricing.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bfexp import costmodel, scaling
+from bfexp.ledger import Ledger, Prices
+from tests.conftest import run_bfexp
+
+CLUSTER = costmodel.Cluster("two-by-four", 4, costmodel.Link(2e-6, 100e9), costmodel.Link(3e-5, 1.25e9),
+                            reduce_bytes_per_s=300e9)
+
+
+class Ring:
+    """The undirected ring as bfexp's topologies answer ``weights(rank, t)`` (only the senders are read)."""
+
+    period = 1
+
+    def __init__(self, n: int) -> None:
+        self.size = n
+
+    def weights(self, rank: int, t: int = 0):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(src_weights={(rank - 1) % self.size: 1 / 3, (rank + 1) % self.size: 1 / 3})
+
+
+def test_a_ledger_prices_each_step_as_the_cost_model_prices_its_operations():
+    """Three kinds of step (a ring exchange of 4 KB, an allreduce of 1 KB, nothing), in an order the
+    run-length code has to follow; each step is compute plus the exchange backward leaves exposed."""
+    n, ring = 8, Ring(8)
+    ledger = Ledger(n)
+    kinds = ["mix", "mix", "reduce", "none", "mix", "reduce", "reduce"]
+    for kind in kinds:
+        ledger.begin()
+        if kind == "mix":
+            ledger.add("neighbor_allreduce", 2 * 4096, ("graph", ring, 0, False))  # rank 0 sends 2 messages
+        elif kind == "reduce":
+            ledger.add("allreduce", 1024)
+        ledger.end()
+    ledger.add("allreduce", 1 << 20)  # outside a step (a logging step's collective): not the step's
+    assert ledger.steps == len(kinds) and len(ledger.signatures) == 3
+
+    edges = [((r - 1) % n, r) for r in range(n)] + [((r + 1) % n, r) for r in range(n)]
+    compute = 0.002
+    by_hand = {"mix": costmodel.exchange_s(CLUSTER, n, edges, 4096),
+               "reduce": costmodel.ring_allreduce_s(CLUSTER, n, 1024), "none": 0.0}
+    prices = Prices(CLUSTER, compute, backward_fraction=0.5, overlap=True)
+    expected, now = [], 0.0
+    for kind in kinds:
+        now += compute + max(0.0, by_hand[kind] - 0.5 * compute)
+        expected.append(now)
+    assert prices.cumulative(ledger) == pytest.approx(expected, rel=1e-12)
+    again = Ledger.from_json(json.loads(json.dumps(ledger.to_json())))  # operations.json's round trip
+    assert Prices(CLUSTER, compute, backward_fraction=0.5).cumulative(again) == prices.cumulative(ledger)
+
+
+def test_a_ranks_own_destinations_stand_for_every_ranks_at_the_same_offsets():
+    """An exchange by explicit weights names only rank 0's peers: exp2's at 8 ranks (1, 2, 4 ahead) give
+    every rank's edges, as the graph itself lists them."""
+    from bfexp.topology import Exp2
+
+    n = 8
+    ledger = Ledger(n)
+    ledger.begin()
+    ledger.add("neighbor_allreduce", 3 * 100.0, ("dst", [1, 2, 4]))
+    ledger.end()
+    [[(op, message, graph)]] = ledger.signatures
+    assert (op, message) == ("neighbor_allreduce", 100.0)
+    assert sorted(ledger.graphs[graph]) == sorted(costmodel.topology_edges(Exp2(n), 0))
+
+
+def test_an_unknown_cluster_is_refused_in_one_line(tmp_path):
+    (tmp_path / "summary.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.report", str(tmp_path), "--cluster", "ethernet_1t"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "scaling=ethernet_1t; allowed: " in proc.stderr and "h100_cluster" in proc.stderr
+
+
+def job(tmp_path, name: str, *args: str) -> tuple[dict, list[dict]]:
+    proc = run_bfexp([*args, "ranks=8", "steps=24", "log_every=4", "baseline_steps=0", "report=false",
+                      "logger=jsonl", "scaling.reference_steps=1", f"hydra.run.dir={name}"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((tmp_path / name / "summary.json").read_text()), records
+
+
+@pytest.mark.parametrize("engine, algorithm", [("threads", "dsgd"), ("stacked", "dsgd"),
+                                               ("stacked", "gradient_tracking"), ("mpi", "exact_diffusion")])
+def test_every_step_is_priced_as_the_summary_prices_the_job(tmp_path, engine, algorithm):
+    """On ethernet_10g (every rank its own machine) a synchronous rule's records carry modeled time that grows
+    by the summary's modeled step time each step, that figure priced from the algorithm's stated traffic
+    (Traffic: a model's vectors) and the ledger's from the bytes the engine was handed: two routes to one
+    number."""
+    summary, records = job(tmp_path, "run", f"engine={engine}", f"algorithm={algorithm}", "scaling=ethernet_10g",
+                           "topology=exp2")
+    step_s = summary["modeled"]["step_time_s"]
+    assert summary["modeled_cluster"] == "ethernet_10g"
+    assert [r["modeled_time_s"] for r in records] == pytest.approx([r["step"] * step_s for r in records], rel=1e-9)
+    assert summary["modeled_train_time_s"] == pytest.approx(24 * step_s, rel=1e-9)
+
+
+def test_a_compressed_exchange_is_priced_on_the_payload_that_travelled(tmp_path):
+    """CHOCO-SGD with top-k at 1% of logistic regression's 66 parameters sends one element (k rounds up: 4
+    bytes of value, 4 of index) to each of exp2's 3 peers, and each receiver rebuilds the dense 264 bytes
+    before adding them: the step is that exchange priced by hand (no overlap: CHOCO's exchange waits for
+    the update). The summary's traffic prices 0.66 of an element (the ratio, not the payload)."""
+    from bfexp.topology import Exp2
+
+    summary, records = job(tmp_path, "run", "engine=threads", "algorithm=choco_sgd", "scaling=ethernet_10g",
+                           "topology=exp2")
+    ledger = Ledger.load(tmp_path / "run")
+    assert [[op[:2] for op in sig] for sig in ledger.signatures] == [[("neighbor_allgather", 8.0)]]
+    node = scaling_node("ethernet_10g")
+    compute = 32 / scaling.rank_speed(node, "logreg", ledger.facts["forward_flop_per_sample"])[0]
+    exchange = costmodel.exchange_s(scaling.cluster(node), 8, costmodel.topology_edges(Exp2(8), 0), 8.0, 264.0)
+    assert [r["modeled_time_s"] for r in records] == pytest.approx([r["step"] * (compute + exchange) for r in records],
+                                                                   rel=1e-12)
+    assert records[-1]["modeled_time_s"] / 24 != pytest.approx(summary["modeled"]["step_time_s"], rel=1e-6)
+
+
+def test_a_recorded_run_repriced_on_a_cluster_gives_what_running_there_gives(tmp_path):
+    """A sweep of allreduce and one-peer DSGD recorded on ethernet_10g, repriced by ``bfexp-report --cluster``
+    on h100_cluster and on ethernet_10g itself: the same numbers as the run's own records (1e-9), and as the
+    same jobs run with scaling=h100_cluster. Time to the allreduce job's final accuracy and the speedup there
+    are figures of the repriced times."""
+    common = ["engine=stacked", "topology=one_peer_exp2"]
+    runs = {}
+    for cluster in ("ethernet_10g", "h100_cluster"):
+        for algorithm in ("allreduce", "dsgd"):
+            runs[cluster, algorithm] = job(tmp_path, f"{cluster}/{algorithm}", *common, f"algorithm={algorithm}",
+                                           f"scaling={cluster}")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.report", "ethernet_10g", "--cluster",
+                           "h100_cluster,ethernet_10g", "--no-plots"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["algorithm"]: r for r in csv.DictReader((tmp_path / "ethernet_10g" / "report.csv").open())}
+    for algorithm in ("allreduce", "dsgd"):
+        own, there = runs["ethernet_10g", algorithm][0], runs["h100_cluster", algorithm][0]
+        repriced = {c: float(rows[algorithm][f"modeled_train_time_s@{c}"]) for c in ("ethernet_10g", "h100_cluster")}
+        assert repriced["ethernet_10g"] == pytest.approx(own["modeled_train_time_s"], rel=1e-9, abs=0)
+        assert repriced["h100_cluster"] == pytest.approx(there["modeled_train_time_s"], rel=1e-9, abs=0)
+        assert repriced["h100_cluster"] < repriced["ethernet_10g"]  # faster links and a faster device
+    # time to the allreduce job's final accuracy, on the allreduce job itself: its last record's modeled time
+    base = rows["allreduce"]
+    assert float(base["time_to_target_accuracy_s@h100_cluster"]) == pytest.approx(
+        runs["h100_cluster", "allreduce"][1][-1]["modeled_time_s"], rel=1e-9)
+    assert float(base["speedup_at_target_accuracy@h100_cluster"]) == 1.0
+    assert (tmp_path / "ethernet_10g" / "allreduce" / "operations.json").is_file()
+
+
+def test_the_stacked_and_the_threads_engines_record_the_same_steps(tmp_path):
+    """Two engines, one job (one-peer exp2 changes its graph every step): the same ledger up to the graphs'
+    order of discovery, so the same modeled time."""
+    ledgers = {}
+    for engine in ("threads", "stacked"):
+        job(tmp_path, engine, f"engine={engine}", "topology=one_peer_exp2", "scaling=ethernet_10g")
+        ledgers[engine] = Ledger.load(tmp_path / engine)
+    node = {**json.loads(json.dumps(scaling_node("ethernet_10g")))}
+    times = [Prices.on(node, ledgers[e].facts).cumulative(ledgers[e]) for e in ("threads", "stacked")]
+    assert len(ledgers["threads"].signatures) == 3  # log2(8) rounds of one peer each
+    assert times[0] == pytest.approx(times[1], rel=1e-12)
+
+
+def scaling_node(name: str) -> dict:
+    from bfexp.components import option_node
+
+    return option_node("scaling", name)
