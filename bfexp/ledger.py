@@ -107,8 +107,11 @@ class Ledger:
             graph = ([(i, (i + o) % n) for o in offsets for i in range(n)] if kind == "dst" else
                      [((i + o) % n, i) for o in offsets for i in range(n)])
             degree = len(key[1])
-        hit = self._graph_ids[key] = (len(self.graphs), degree)
-        self.graphs.append(graph)
+        # one index per edge set, also across a resume (a restored ledger knows its graphs, not their keys)
+        index = next((i for i, known in enumerate(self.graphs) if known == graph), len(self.graphs))
+        if index == len(self.graphs):
+            self.graphs.append(graph)
+        hit = self._graph_ids[key] = (index, degree)
         return hit
 
     # the run folder ---------------------------------------------------------

@@ -180,3 +180,20 @@ def scaling_node(name: str) -> dict:
     from bfexp.components import option_node
 
     return option_node("scaling", name)
+
+
+def test_a_resumed_job_prices_on_from_its_checkpoint(tmp_path):
+    """A job that failed at step 30 of 40 (checkpoint at 20) and was resumed: its ledger comes back from the
+    checkpoint, so the records price all 40 steps as one uninterrupted job does, in one run of one signature."""
+    common = ["scaling=ethernet_10g", "ranks=4", "engine=threads", "steps=40", "checkpoint_every=20",
+              "baseline_steps=0", "report=false", "logger=jsonl", "scaling.reference_steps=1"]
+    failed = run_bfexp([*common, "fail_rank=1", "fail_step=30", "hydra.run.dir=run"], tmp_path, timeout=300)
+    assert failed.returncode != 0
+    resumed = run_bfexp(["resume=run", "fail_rank=null"], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_s = summary["modeled"]["step_time_s"]
+    assert [r["step"] for r in records] == [10, 20, 30, 40]
+    assert [r["modeled_time_s"] for r in records] == pytest.approx([r["step"] * step_s for r in records], rel=1e-9)
+    assert Ledger.load(tmp_path / "run").runs == [[0, 40]]
