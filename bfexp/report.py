@@ -166,6 +166,27 @@ def cluster_node(name: str) -> Any:
     return OmegaConf.create(option_node("scaling", name))
 
 
+def priced_clusters(names: Iterable[str], bandwidths_gbit_per_s: Iterable[float] = ()) -> dict[str, Any]:
+    """Label -> scaling config of each shipped cluster named, or, with ``bandwidths_gbit_per_s``, of each at
+    each bandwidth between machines (``<name>:<b>Gbit/s``: the cluster with inter_bandwidth_gbyte_per_s =
+    b / 8, everything else its own). ConfigError for an unknown name or a bandwidth that is not positive."""
+    from omegaconf import OmegaConf
+
+    rates = [float(b) for b in bandwidths_gbit_per_s]
+    for b in rates:
+        if not math.isfinite(b) or b <= 0:
+            raise ConfigError(f"bandwidth {b:g} Gbit/s; allowed: a positive number of Gbit/s")
+    out: dict[str, Any] = {}
+    for name in names:
+        node = cluster_node(name)
+        if not rates:
+            out[name] = node
+        for b in rates:
+            varied = OmegaConf.merge(node, {"inter_bandwidth_gbyte_per_s": b / 8.0})
+            out[f"{name}:{b:g}Gbit/s"] = varied
+    return out
+
+
 def modeled_times(job: Job, scaling_node: Any) -> list[float | None] | None:
     """Each record's training time with the job's recorded steps (its operations.json) priced on the cluster
     of ``scaling_node``, as the run prices them (bfexp.ledger); None for a job without a ledger or a compute
@@ -396,7 +417,7 @@ def render_table(table: Table, title: str) -> Any:
 
     numbered = all(re.match(r"\d+(?:_|$)", r["job"]) for r in table.rows)
     columns = [c for c in table.columns if (c not in TABLE_FIELDS or c in CONSOLE_FIELDS)
-               and ("@" not in c or c.split("@")[0] in PRICED_LABELS)]
+               and ("@" not in c or (c.split("@")[0] in PRICED_LABELS and ":" not in c))]  # bandwidths: csv
     out = RichTable(title=title, title_justify="left")
     for col in columns:
         label = "#" if (col == "job" and numbered) else CONSOLE_LABELS.get(col, col)
@@ -770,10 +791,11 @@ class Plotter:
             self.footnote(fig)
             self.save(fig, f"training_ranks{r}.png" if len(groups) > 1 else "training.png")
 
-    def modeled_plots(self) -> None:
+    def modeled_plots(self, variants: bool = True) -> None:
         """Held-out accuracy and training loss against modeled training time, one figure per cluster priced
-        (the run's own, and each the report was asked for), its name in the title and the file's."""
-        clusters = list(dict.fromkeys(c for j in self.ok for c in j.modeled))
+        (the run's own, and each the report was asked for; ``variants``: also each at another bandwidth), its
+        name in the title and the file's."""
+        clusters = list(dict.fromkeys(c for j in self.ok for c in j.modeled if variants or ":" not in c))
         for cluster in clusters:
             jobs = [j for j in self.ok if j.modeled.get(cluster)]
             fig = self.figure(11, 4.4)
@@ -796,6 +818,40 @@ class Plotter:
             self.footnote(fig, "Modeled time: each recorded step's operations priced by bfexp's cost model "
                                f"(compute from {cluster}'s device or declared speed, else the job's measured one).")
             self.save(fig, f"modeled_{re.sub(r'[^A-Za-z0-9_.-]', '_', cluster)}.png")
+
+    def crossover_plots(self, cells: list[dict]) -> None:
+        """For each cluster priced at several bandwidths: which method reaches the target first in each cell
+        (bandwidth x ranks), by how much (the runner-up's time over the winner's), a color per method."""
+        import numpy as np
+
+        for base in dict.fromkeys(c["cluster"] for c in cells):
+            mine = [c for c in cells if c["cluster"] == base]
+            rates = sorted({c["bandwidth_gbit_per_s"] for c in mine})
+            ranks = sorted({c["ranks"] for c in mine})
+            methods = sorted({m for c in cells for m in c["times"]})
+            cmap = self.mpl.colormaps["tab10"]
+            grid = np.full((len(rates), len(ranks), 4), 0.93)
+            fig = self.figure(1.6 + 1.5 * len(ranks), 1.4 + 0.75 * len(rates))
+            ax = fig.subplots()
+            for c in mine:
+                i, j = rates.index(c["bandwidth_gbit_per_s"]), ranks.index(c["ranks"])
+                if c["winner"]:
+                    grid[i, j] = cmap(methods.index(c["winner"]) % cmap.N)
+                    grid[i, j, 3] = 0.55
+                    by = f"x{c['margin']:.2f}" if _finite(c.get("margin")) else "alone"
+                    text = f"{c['winner']}\n{by}"
+                else:
+                    text = "none reached"
+                ax.text(j, i, text, ha="center", va="center", fontsize=7)
+            ax.imshow(grid, aspect="auto", origin="lower")
+            ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
+            ax.set_yticks(range(len(rates)), [f"{b:g}" for b in rates])
+            ax.set_xlabel("ranks")
+            ax.set_ylabel("bandwidth between machines (Gbit/s)")
+            target = mine[0]["target"]
+            ax.set_title(f"First to the target on {base} (modeled time)\n"
+                         f"target: {target}; xN: the runner-up's time over the winner's", fontsize=9)
+            self.save(fig, f"crossover_{re.sub(r'[^A-Za-z0-9_.-]', '_', base)}.png")
 
     def consensus_plot(self) -> None:
         fig = self.figure()
@@ -864,20 +920,75 @@ class Plotter:
         self.save(fig, f"{key}_vs_bytes.png")
 
 
-def draw_plots(out: Path, jobs: list[Job], swept: list[str]) -> tuple[list[Path], list[str]]:
+def draw_plots(out: Path, jobs: list[Job], swept: list[str],
+               crossovers: list[dict] | None = None) -> tuple[list[Path], list[str]]:
     """Every plot the jobs allow; returns the files written and notes on what was not drawn."""
     plotter = Plotter(out, jobs, swept)
     if not plotter.ok:
         return [], ["No plots: no job completed."]
     plotter.scaling_plots()
     plotter.training_plots()
-    plotter.modeled_plots()
+    if crossovers:
+        plotter.crossover_plots(crossovers)
+    plotter.modeled_plots(variants=not crossovers)  # a crossover's bandwidths: its heatmap, not a figure each
     plotter.consensus_plot()
     plotter.bytes_plot()
     plotter.bytes_plot("perplexity")  # drawn where some job logged a perplexity (a language model's)
     if plotter.left_out:
         plotter.notes.append(f"{len(plotter.left_out)} failed or diverged job(s) are in the table but not in the plots.")
     return plotter.written, plotter.notes
+
+
+# ------------------------------------------------------------------ crossovers
+CROSSOVER_NAME = "crossover.csv"
+
+
+def method_label(job: Job, swept: list[str]) -> str:
+    """A job's method in a crossover: its swept values but ranks (a lone key's value without its name)."""
+    parts = [(k, swept_value(job, k)) for k in swept if k not in NOT_A_SERIES]
+    if len(parts) == 1:
+        return str(parts[0][1])
+    return ", ".join(f"{k}={v}" for k, v in parts) or series_label(job, [])
+
+
+def crossover_table(jobs: list[Job], swept: list[str], labels: list[str]) -> list[dict]:
+    """One cell per cluster label ``<cluster>:<b>Gbit/s`` and rank count: each method's modeled time to its
+    target accuracy there (time_to_targets: the config's target_accuracy, else the allreduce job's final),
+    the first to reach it and the runner-up's time over its (the margin)."""
+    cells = []
+    ok = [j for j in jobs if j.ok]
+    for label in labels:
+        base, _, rate = label.rpartition(":")
+        if not rate.endswith("Gbit/s"):
+            continue
+        for r in sorted({j.summary.get("ranks") for j in ok if isinstance(j.summary.get("ranks"), int)}):
+            times, target = {}, None
+            for job in (j for j in ok if j.summary.get("ranks") == r):
+                reached = time_to_targets(job, jobs, swept)
+                target = reached.get("target_accuracy", target)
+                t = reached.get(f"time_to_target_accuracy_s@{label}")
+                times[method_label(job, swept)] = t
+            done = sorted((t, m) for m, t in times.items() if _finite(t))
+            cells.append({"cluster": base, "bandwidth_gbit_per_s": float(rate[:-len("Gbit/s")]), "ranks": r,
+                          "target": target, "times": times, "winner": done[0][1] if done else None,
+                          "time_s": done[0][0] if done else None,
+                          "runner_up": done[1][1] if len(done) > 1 else None,
+                          "margin": done[1][0] / done[0][0] if len(done) > 1 and done[0][0] > 0 else None})
+    return cells
+
+
+def crossover_csv(cells: list[dict]) -> str:
+    """crossover.csv: a row per cell, the winner, the margin, and every method's modeled time to the target."""
+    methods = sorted({m for c in cells for m in c["times"]})
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["cluster", "bandwidth_gbit_per_s", "ranks", "target_accuracy", "first", "time_to_target_s",
+                     "runner_up", "runner_up_time_over_first", *[f"time_to_target_s[{m}]" for m in methods]])
+    for c in cells:
+        writer.writerow([c["cluster"], f"{c['bandwidth_gbit_per_s']:g}", c["ranks"], fmt(c["target"]),
+                         c["winner"] or "", fmt(c["time_s"]), c["runner_up"] or "", fmt(c["margin"]),
+                         *[fmt(c["times"].get(m)) for m in methods]])
+    return buf.getvalue()
 
 
 # ------------------------------------------------------------------ the report
@@ -900,13 +1011,15 @@ def refused_points(root: Path) -> list[tuple[list[str], str]]:
 
 
 def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, plots: bool = True,
-                 clusters: Iterable[str] = ()) -> Report:
+                 clusters: Iterable[str] = (), bandwidths_gbit_per_s: Iterable[float] = ()) -> Report:
     """Collect every job under root and write report.csv, report.md and plots into out (default: root).
-    ``clusters``: shipped scaling configs to price every job's recorded steps on (modeled_times)."""
+    ``clusters``: shipped scaling configs to price every job's recorded steps on (modeled_times), each at
+    every one of ``bandwidths_gbit_per_s`` where given (priced_clusters: then also crossover.csv and
+    crossover_<cluster>.png, which method reaches the target first at each bandwidth and rank count)."""
     root = Path(root)
     if not root.is_dir():
         raise NoJobsError(f"{root} is not a folder")
-    nodes = {name: cluster_node(name) for name in clusters}  # a bad name: before any job is read
+    nodes = priced_clusters(clusters, bandwidths_gbit_per_s)  # a bad name: before any job is read
     jobs = collect(root)
     if not jobs:
         raise NoJobsError(f"no jobs under {root} (a job folder has summary.json or .hydra/overrides.yaml)")
@@ -918,7 +1031,11 @@ def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, 
     out_dir = Path(out) if out is not None else root
     out_dir.mkdir(parents=True, exist_ok=True)
     table = build_table(jobs)
-    pngs, notes = draw_plots(out_dir, jobs, table.swept) if plots else ([], [])
+    crossovers = crossover_table(jobs, table.swept, list(nodes)) if list(bandwidths_gbit_per_s) else []
+    pngs, notes = draw_plots(out_dir, jobs, table.swept, crossovers) if plots else ([], [])
+    if crossovers:
+        results.write_text_atomic(out_dir / CROSSOVER_NAME, crossover_csv(crossovers))
+        pngs = [out_dir / CROSSOVER_NAME, *pngs]
     results.write_text_atomic(out_dir / CSV_NAME, to_csv(table))
     results.write_text_atomic(out_dir / MD_NAME, to_markdown(root, jobs, table, pngs, notes))
     return Report(root, out_dir, jobs, table, [out_dir / CSV_NAME, out_dir / MD_NAME, *pngs], notes)
@@ -954,13 +1071,20 @@ def print_report(report: Report) -> None:
 
 
 class MultirunReport(Callback):
-    """Hydra callback: at the end of a sweep, print the table and write the report into the sweep folder."""
+    """Hydra callback: at the end of a sweep, print the table and write the report into the sweep folder.
+    ``clusters`` and ``bandwidths_gbit_per_s``: as ``bfexp-report --cluster ... --bandwidths ...`` (a study's
+    YAML sets them under hydra.callbacks.report)."""
+
+    def __init__(self, clusters: Iterable[str] = (), bandwidths_gbit_per_s: Iterable[float] = ()) -> None:
+        self.clusters = [str(c) for c in clusters]
+        self.bandwidths = [float(b) for b in bandwidths_gbit_per_s]
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         if not config.get("report", True):
             return
         try:
-            report = write_report(Path(config.hydra.sweep.dir))
+            report = write_report(Path(config.hydra.sweep.dir), clusters=self.clusters,
+                                  bandwidths_gbit_per_s=self.bandwidths)
         except Exception as e:  # the jobs' results stand; a report problem must not hide them
             print(f"bfexp: warning: sweep report not written: {e}", file=sys.stderr)
             return
@@ -978,10 +1102,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cluster", default="", metavar="NAME[,NAME...]",
                         help="price every job's recorded steps on these shipped clusters (scaling=NAME) without "
                              "rerunning: modeled time, time to target and speedup at the target, and plots")
+    parser.add_argument("--bandwidths", default="", metavar="GBIT[,GBIT...]",
+                        help="with --cluster: price on each cluster at each of these bandwidths between machines "
+                             "(Gbit/s), and draw which method reaches the target first at each (crossover_*.png)")
     args = parser.parse_args(argv)
     try:
+        bandwidths = [float(b) for b in args.bandwidths.split(",") if b.strip()]
+    except ValueError:
+        print(f"bfexp-report: error: --bandwidths {args.bandwidths}; allowed: numbers of Gbit/s separated by "
+              "commas, e.g. 1,10,100", file=sys.stderr)
+        sys.exit(2)
+    if bandwidths and not args.cluster:
+        print("bfexp-report: error: --bandwidths without --cluster; allowed: --cluster NAME --bandwidths "
+              "GBIT[,GBIT...]", file=sys.stderr)
+        sys.exit(2)
+    try:
         report = write_report(args.folder, args.out, plots=not args.no_plots,
-                              clusters=[c.strip() for c in args.cluster.split(",") if c.strip()])
+                              clusters=[c.strip() for c in args.cluster.split(",") if c.strip()],
+                              bandwidths_gbit_per_s=bandwidths)
     except ConfigError as e:  # no jobs there, a damaged file of the sweep's own
         print(f"bfexp-report: error: {e}", file=sys.stderr)
         sys.exit(2)

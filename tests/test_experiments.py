@@ -33,6 +33,8 @@ SMALL: dict[str, list[str]] = {
     # per step are the full study's.
     "lm_diloco": ["steps=50", "log_every=50", "eval_every=50", "dataset.eval_samples=8", "engine=threads",
                   "scaling.reference_steps=2"],
+    # 4 and 16 of its 16-1024 ranks, 60 of its 200 steps and a target they reach: every method and bandwidth.
+    "crossover": ["ranks=4,16", "steps=60", "eval_every=10", "log_every=10", "target_accuracy=0.7"],
 }
 
 
@@ -338,3 +340,39 @@ def test_lm_diloco_readme_states_the_perplexities_of_the_full_study(tmp_path):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 6 and cells[0].strip("`") in LM_DILOCO:
             assert numbers(cells[2])[0] == pytest.approx(jobs[cells[0].strip("`")]["final_perplexity"], rel=0.01)
+
+
+# ------------------------------------------------------------------ crossover
+def test_crossover_names_in_each_cell_the_method_first_to_the_target(studies):
+    """crossover.csv: a cell per bandwidth (the YAML's five) and rank count, its winner the method with the least
+    modeled time to the target among the times it lists, the margin the runner-up's over the winner's; each
+    method's time to the target does not grow with bandwidth (the same steps, each exchange cheaper), and
+    report.csv's column for the cell's cluster holds the same times."""
+    sweep = studies("crossover")
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    cells = read_csv(sweep.folder / "crossover.csv")
+    rates = [1, 3, 10, 30, 100]
+    assert sorted({(float(c["bandwidth_gbit_per_s"]), int(c["ranks"])) for c in cells}) == \
+        sorted((float(b), r) for b in rates for r in (4, 16))
+    rows = read_csv(sweep.folder / "report.csv")
+    methods = sorted(r["experiment/crossover"] for r in rows if r["ranks"] == "4")
+    assert methods == ["allreduce", "choco_sgd", "diloco", "dsgd_exp2", "dsgd_one_peer_exp2"]
+    winners = set()
+    for c in cells:
+        times = {m: float(c[f"time_to_target_s[{m}]"]) for m in methods if c[f"time_to_target_s[{m}]"]}
+        label = f"ethernet_10g:{float(c['bandwidth_gbit_per_s']):g}Gbit/s"
+        for m, t in times.items():
+            [row] = [r for r in rows if r["experiment/crossover"] == m and r["ranks"] == c["ranks"]]
+            assert float(row[f"time_to_target_accuracy_s@{label}"]) == pytest.approx(t, rel=1e-3)
+        ranked = sorted(times, key=times.get)
+        assert ranked and c["first"] == ranked[0], c
+        winners.add(c["first"])
+        if len(ranked) > 1:
+            assert float(c["runner_up_time_over_first"]) == pytest.approx(times[ranked[1]] / times[ranked[0]], rel=1e-3)
+    for r in (4, 16):
+        for m in methods:
+            along = [c[f"time_to_target_s[{m}]"] for b in rates for c in cells
+                     if float(c["bandwidth_gbit_per_s"]) == b and int(c["ranks"]) == r]
+            if all(along):
+                assert all(float(a) >= float(b) for a, b in zip(along, along[1:])), (m, r, along)
+    assert (sweep.folder / "crossover_ethernet_10g.png").is_file() and winners

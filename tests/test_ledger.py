@@ -197,3 +197,14 @@ def test_a_resumed_job_prices_on_from_its_checkpoint(tmp_path):
     assert [r["step"] for r in records] == [10, 20, 30, 40]
     assert [r["modeled_time_s"] for r in records] == pytest.approx([r["step"] * step_s for r in records], rel=1e-9)
     assert Ledger.load(tmp_path / "run").runs == [[0, 40]]
+
+
+@pytest.mark.parametrize("args, says", [(["--cluster", "ethernet_10g", "--bandwidths", "ten"], "--bandwidths ten; allowed: "),
+                                        (["--cluster", "ethernet_10g", "--bandwidths", "1,-3"], "bandwidth -3 Gbit/s; allowed: "),
+                                        (["--bandwidths", "1,10"], "--bandwidths without --cluster; allowed: ")])
+def test_bad_bandwidths_are_refused_in_one_line(tmp_path, args, says):
+    (tmp_path / "summary.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.report", str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
+    assert not (tmp_path / "report.csv").exists()
