@@ -284,8 +284,8 @@ def build_table(jobs: list[Job]) -> Table:
 
     varying_identity = [k for k in IDENTITY_FIELDS if k not in swept and len({str(r.get(k)) for r in rows}) > 1]
     # per cluster priced (modeled_times): the cluster's columns together, each kind in one order
-    kinds = ["modeled_train_time_s", *[f"{m}_{k}" for k in ("target_accuracy", "target_eval_loss")
-                                       for m in ("time_to", "speedup_at")]]
+    kinds = ["modeled_train_time_s", "time_to_target_accuracy_s", "speedup_at_target_accuracy",
+             "time_to_target_eval_loss_s", "speedup_at_target_eval_loss"]
     priced = sorted({k for r in rows for k in r if "@" in k and present(k)},
                     key=lambda k: (k.split("@", 1)[1], kinds.index(k.split("@")[0]) if k.split("@")[0] in kinds else 99, k))
     columns = ["job", *swept, *varying_identity,
@@ -354,9 +354,11 @@ def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], no
     fixed = fixed_overrides(jobs)
     if fixed:
         lines.append("Fixed overrides: " + " ".join(f"`{k}={v}`" for k, v in fixed.items()) + ".")
-    lines += ["", "| " + " | ".join(table.columns) + " |", "|" + "|".join("---" for _ in table.columns) + "|"]
+    # a cluster priced at several bandwidths: its columns in report.csv and crossover.csv, not here
+    columns = [c for c in table.columns if not ("@" in c and ":" in c)]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for row, job in zip(table.rows, jobs):
-        cells = [_md_cell(row, c) for c in table.columns]
+        cells = [_md_cell(row, c) for c in columns]
         if job.number is not None and job.path != root:  # the job's number, linked to its folder
             cells[0] = f"[{job.number}](<{job.name}/>)"
         lines.append("| " + " | ".join(cells) + " |")
@@ -1035,10 +1037,11 @@ def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, 
     pngs, notes = draw_plots(out_dir, jobs, table.swept, crossovers) if plots else ([], [])
     if crossovers:
         results.write_text_atomic(out_dir / CROSSOVER_NAME, crossover_csv(crossovers))
-        pngs = [out_dir / CROSSOVER_NAME, *pngs]
+        notes = [f"Which method reaches the target first at each bandwidth and rank count: {CROSSOVER_NAME}.", *notes]
     results.write_text_atomic(out_dir / CSV_NAME, to_csv(table))
     results.write_text_atomic(out_dir / MD_NAME, to_markdown(root, jobs, table, pngs, notes))
-    return Report(root, out_dir, jobs, table, [out_dir / CSV_NAME, out_dir / MD_NAME, *pngs], notes)
+    extra = [out_dir / CROSSOVER_NAME] if crossovers else []
+    return Report(root, out_dir, jobs, table, [out_dir / CSV_NAME, out_dir / MD_NAME, *pngs, *extra], notes)
 
 
 def print_report(report: Report) -> None:
@@ -1067,7 +1070,8 @@ def print_report(report: Report) -> None:
                       soft_wrap=True)
     for note in report.notes:
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
-    console.print(f"report: {report.out / MD_NAME} ({len(report.files) - 2} plots, {CSV_NAME})", highlight=False, soft_wrap=True)
+    pngs = sum(1 for path in report.files if path.suffix == ".png")
+    console.print(f"report: {report.out / MD_NAME} ({pngs} plots, {CSV_NAME})", highlight=False, soft_wrap=True)
 
 
 class MultirunReport(Callback):
