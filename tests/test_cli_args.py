@@ -15,6 +15,7 @@ installed `bfexp`, and the results page's `bfexp-report` lines run on its folder
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -215,11 +216,19 @@ def test_bfexp_report_readme_lines_and_options_on_both_sides(headline_sweep):
     run = sorted(p for p in (cwd / sweep).iterdir() if p.is_dir())[0]
     shutil.copytree(run, cwd / "outputs/2026-01-01/12-00-00")  # README's second line reads outputs/
     lines = readme_report_lines()
-    assert len(lines) == 2 and sweep in lines[0] and "--out my_report" in lines[1], lines
+    assert len(lines) == 3 and sweep in lines[0] and "--out my_report" in lines[1], lines
+    assert sweep in lines[2] and "--cluster h100_cluster,ethernet_10g" in lines[2], lines
     for line in lines:  # as the README writes them (with plots)
         report = installed("bfexp-report", *shlex.split(line)[1:], cwd=cwd)
         assert report.returncode == 0, (line, report.stderr)
     assert (cwd / sweep / "report.csv").is_file() and (cwd / "my_report/report.csv").is_file()
+    # the last line priced every job of the headline sweep on both clusters (scaling=local's jobs: their
+    # steps from operations.json, a rank's compute from the clusters' device figures)
+    with open(cwd / sweep / "report.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        assert float(row["modeled_train_time_s@h100_cluster"]) < float(row["modeled_train_time_s@ethernet_10g"]), row
+    assert (cwd / sweep / "modeled_h100_cluster.png").is_file()
     for n, args in enumerate([["--out", "r0", "--no-plots", sweep], ["--no-plots", sweep, "--out", "r1"],
                               [sweep, "--no-plots", "--out=r2"]]):
         report = installed("bfexp-report", *args, cwd=cwd)
