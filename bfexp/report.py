@@ -58,6 +58,11 @@ NOT_A_SERIES = ("ranks", "seed")
 BOUNDS = {f.key for f in results.FIELDS if f.bound_of}
 # Whether a job's speedup over the allreduce baseline is within noise (its interval holds 1).
 NOISE_KEY = "speedup_vs_baseline_within_noise"
+# Measured on ranks that outnumbered the cores they shared (the summary's contention note): what those figures
+# show is mostly CPU contention, and the table says so beside each (the modeled.* columns stand apart).
+CONTENDED_KEY = "measured_on_contended_cores"
+CONTENDED_FIGURES = ("throughput_samples_per_s", "scaling_efficiency", "speedup_vs_baseline",
+                     "baseline_throughput_samples_per_s", "baseline_scaling_efficiency", "step_time_s", "comm_time_s")
 # Swept keys of the algorithm or topology: what the allreduce baseline does not depend on.
 SERIES_ONLY = ("algorithm", "topology")
 DEFINITIONS = (
@@ -269,6 +274,7 @@ def build_table(jobs: list[Job]) -> Table:
         row: dict[str, Any] = {"job": job.name}
         row.update(job.summary)
         row[NOISE_KEY] = speedup_within_noise(job.summary)
+        row[CONTENDED_KEY] = bool(job.summary.get("contention")) and job.summary.get("time_source") == "measured"
         # Nested figures (e.g. the measured and modeled sets beside the headline) as dotted columns.
         for key, value in job.summary.items():
             if isinstance(value, dict):
@@ -332,6 +338,8 @@ def cell(row: dict, key: str, digits: int = 4) -> str:
             text += f" [{low}, {high}]"
     if key == "speedup_vs_baseline" and row.get(NOISE_KEY):
         text += " (within noise)"
+    if text and key in CONTENDED_FIGURES and row.get(CONTENDED_KEY):
+        text += " (contended)"
     return text
 
 

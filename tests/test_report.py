@@ -324,3 +324,28 @@ def test_one_baseline_curve_per_batch_size(tmp_path):
                                            "allreduce baseline (batch_size=256)": [(2, 400.0), (4, 800.0)]}
     assert baselines("scaling_efficiency.png") == {"allreduce baseline (batch_size=32)": [(2, 0.5), (4, 0.5)],
                                                    "allreduce baseline (batch_size=256)": [(2, 0.9), (4, 0.9)]}
+
+
+def test_figures_measured_on_ranks_that_shared_too_few_cores_say_so_in_the_table(tmp_path, capsys):
+    """A job whose summary carries the contention note and whose figures were measured here: its throughput,
+    efficiency and speedup cells read "(contended)" in report.md and on the terminal, and report.csv has the
+    flag; a job on enough cores, and one whose headline is modeled, do not."""
+    from bfexp.report import print_report
+
+    note = "8 ranks share 2 cores on this machine: measured throughput and scaling efficiency mostly show ..."
+    make_job(tmp_path, "0_ranks=2", ["ranks=2"],
+             summary("dsgd", 2, 100.0, scaling_efficiency=0.9, time_source="measured", contention=None))
+    make_job(tmp_path, "1_ranks=8", ["ranks=8"],
+             summary("dsgd", 8, 120.0, scaling_efficiency=0.3, time_source="measured", contention=note))
+    make_job(tmp_path, "2_ranks=16", ["ranks=16"],
+             summary("dsgd", 16, 900.0, scaling_efficiency=0.8, time_source="modeled", contention=note))
+    report = write_report(tmp_path, plots=False)
+    rows = {line.split(" | ")[0]: line for line in (tmp_path / "report.md").read_text().splitlines()
+            if line.startswith("| [")}
+    assert [key for key, line in rows.items() if "(contended)" in line] == ["| [1](<1_ranks=8/>)"]
+    assert "0.3 (contended)" in rows["| [1](<1_ranks=8/>)"] and "120 (contended)" in rows["| [1](<1_ranks=8/>)"]
+    with open(tmp_path / "report.csv", newline="") as f:
+        flags = [r["measured_on_contended_cores"] for r in csv.DictReader(f)]
+    assert flags == ["False", "True", "False"]
+    print_report(report)
+    assert capsys.readouterr().out.count("(contended)") >= 2
