@@ -55,7 +55,8 @@ class Ledger:
         stacked ranks: the mean over ranks). ``peers``: ("graph", topology, t, stacked) for an exchange by
         W(t) of a topology, ("dst", ranks) or ("src", ranks) for one by this rank's own peers, ("machines",
         machine destinations[, the degree stacked bytes were multiplied by]) for a hierarchical one, None for
-        a collective. Outside a step: ignored."""
+        a collective (ranks: any iterable of them, a weights dict's keys too; read at once, not kept).
+        Outside a step: ignored."""
         if self._step is None:
             return
         graph, message = -1, float(nbytes)

@@ -947,7 +947,7 @@ class Engine(abc.ABC):
                 decl = Declaration(op, self.size, spec.src_weights, spec.dst_weights, call.numel, call.dtype,
                                    learned=self._patterns.learner(key, self.topology))
         pending = self._post_neighbor_allreduce(call, spec, decl, blocking)
-        peers = ("graph", self.topology, t, False) if given_weights else ("dst", list(spec.dst_weights))
+        peers = ("graph", self.topology, t, False) if given_weights else ("dst", spec.dst_weights)
         return self._track(op, nbytes, started, *pending, peers=peers, **call.meta)
 
     def _hierarchical(
@@ -963,7 +963,7 @@ class Engine(abc.ABC):
             srcs, dsts = spec.src_weights, spec.dst_weights
             decl = MachineDeclaration(self.machines, self.local_size, srcs, dsts, call.numel, call.dtype)
         return self._track(op, call.nbytes, started, *self._post_hierarchical(call, spec, decl),
-                           peers=("machines", list(spec.dst_weights)), **call.meta)
+                           peers=("machines", spec.dst_weights), **call.meta)
 
     def _weighted_call(self, op: str, tensors: TensorOrList, inplace: bool, spec: NeighborSpec, *peers: str) -> Call:
         """The call of a weighted exchange: floating tensors only; the timeline names its ``peers``."""

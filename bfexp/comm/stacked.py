@@ -300,8 +300,9 @@ class StackedEngine(Engine):
         out, deliver = self.result(call, x)
         out.view(x.shape[0], self.machines, self.local_size).copy_(mixed.unsqueeze(2))
         delivered = deliver()
+        peers = None if self.ledger is None else ("machines", self.machine_topology.weights(0, 0).dst_weights, degree)
         return self._track("hierarchical_neighbor_allreduce", int(call.nbytes * degree), started, lambda: delivered,
-                           peers=("machines", list(self.machine_topology.weights(0, 0).dst_weights), degree))
+                           peers=peers)
 
     def _machine_matrix(self, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
         topology = self.machine_topology
