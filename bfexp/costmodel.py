@@ -34,7 +34,7 @@ concurrently.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal, Sequence
 
 from bfexp.errors import number_in
@@ -309,18 +309,14 @@ def hierarchical_exchange_s(cluster: Cluster, n: int, machine_edges: Iterable[tu
     flow per machine edge, as one rank a machine would send it), and each machine's result reaches its
     ranks (a broadcast inside, priced as half an allreduce)."""
     local, machines = cluster.local_size(n), cluster.machines(n)
-    inside = Cluster(cluster.name, 0, cluster.intra, cluster.intra, reduce_bytes_per_s=cluster.reduce_bytes_per_s,
-                     cores=cluster.cores)
+    inside = replace(cluster, ranks_per_machine=0)  # one machine's ranks: every hop on its own links
     average = 1.5 * ring_allreduce_s(inside, local, nbytes) if local > 1 else 0.0
-    leaders = Cluster(cluster.name, 1, cluster.intra, cluster.inter, nic_shared=False,
-                      reduce_bytes_per_s=cluster.reduce_bytes_per_s, cores=cluster.cores,
-                      stack_bytes_per_s=cluster.stack_bytes_per_s, switch_bytes_per_s=cluster.switch_bytes_per_s)
+    leaders = replace(cluster, ranks_per_machine=1, nic_shared=False)  # one flow per machine
     across = exchange_s(leaders, machines, machine_edges, nbytes) if machines > 1 else 0.0
     return average + across
 
 
-# What a recorded engine operation is priced as (operation_s): a collective, or a message on each edge of a graph.
-COLLECTIVES = ("allreduce", "allgather", "broadcast", "barrier")
+# Recorded engine operations priced as a message on each edge of a graph (operation_s).
 EXCHANGES = ("neighbor_allreduce", "neighbor_allgather", "win_put", "win_accumulate", "win_get", "win_exchange")
 
 
