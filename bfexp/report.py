@@ -205,7 +205,7 @@ def modeled_times(job: Job, scaling_node: Any) -> list[float | None] | None:
     if ledger is None or not ledger.facts:
         return None
     step = scaling.get(job.summary.get("reference") or {}, "step_time_s")
-    measured = ledger.facts["batch_size"] / step.value if step is not None and step.value > 0 else None
+    measured = scaling.throughput(1, ledger.facts["batch_size"], step.value if step is not None else None)
     prices = Prices.on(scaling_node, ledger.facts, measured)
     if prices is None:
         return None
@@ -953,33 +953,33 @@ def draw_plots(out: Path, jobs: list[Job], swept: list[str],
 CROSSOVER_NAME = "crossover.csv"
 
 
-def method_label(job: Job, swept: list[str]) -> str:
-    """A job's method in a crossover: its swept values but ranks (a lone key's value without its name)."""
-    parts = [(k, swept_value(job, k)) for k in swept if k not in NOT_A_SERIES]
+def method_label(row: dict, swept: list[str]) -> str:
+    """A job's method in a crossover (its table row): its swept values but ranks (a lone key's value without its
+    name)."""
+    parts = [(k, row.get(k)) for k in swept if k not in NOT_A_SERIES]
     if len(parts) == 1:
         return str(parts[0][1])
-    return ", ".join(f"{k}={v}" for k, v in parts) or series_label(job, [])
+    return ", ".join(f"{k}={v}" for k, v in parts) or f"{row.get('algorithm', '?')} on {row.get('topology', '?')}"
 
 
-def crossover_table(jobs: list[Job], swept: list[str], labels: list[str]) -> list[dict]:
-    """One cell per cluster label ``<cluster>:<b>Gbit/s`` and rank count: each method's modeled time to its
-    target accuracy there (time_to_targets: the config's target_accuracy, else the allreduce job's final),
-    the first to reach it and the runner-up's time over its (the margin)."""
+def crossover_table(jobs: list[Job], table: Table, labels: list[str]) -> list[dict]:
+    """One cell per cluster label ``<cluster>:<b>Gbit/s`` and rank count: each completed job's modeled time to its
+    target accuracy there (its table row's, from time_to_targets: the config's target_accuracy, else the
+    allreduce job's final), the first to reach it and the runner-up's time over its (the margin)."""
     cells = []
-    ok = [j for j in jobs if j.ok]
+    # (the job's ranks, its row): a row holds the swept text of ranks where ranks were swept
+    ok = [(job.summary["ranks"], row) for job, row in zip(jobs, table.rows)
+          if job.ok and isinstance(job.summary.get("ranks"), int)]
     for label in labels:
         base, _, rate = label.rpartition(":")
         if not rate.endswith("Gbit/s"):
             continue
-        for r in sorted({j.summary.get("ranks") for j in ok if isinstance(j.summary.get("ranks"), int)}):
-            times, target = {}, None
-            for job in (j for j in ok if j.summary.get("ranks") == r):
-                reached = time_to_targets(job, jobs, swept)
-                target = reached.get("target_accuracy", target)
-                t = reached.get(f"time_to_target_accuracy_s@{label}")
-                times[method_label(job, swept)] = t
+        for ranks in sorted({n for n, _ in ok}):
+            mine = [row for n, row in ok if n == ranks]
+            times = {method_label(r, table.swept): r.get(f"time_to_target_accuracy_s@{label}") for r in mine}
+            target = next((r["target_accuracy"] for r in reversed(mine) if r.get("target_accuracy") is not None), None)
             done = sorted((t, m) for m, t in times.items() if _finite(t))
-            cells.append({"cluster": base, "bandwidth_gbit_per_s": float(rate[:-len("Gbit/s")]), "ranks": r,
+            cells.append({"cluster": base, "bandwidth_gbit_per_s": float(rate[:-len("Gbit/s")]), "ranks": ranks,
                           "target": target, "times": times, "winner": done[0][1] if done else None,
                           "time_s": done[0][0] if done else None,
                           "runner_up": done[1][1] if len(done) > 1 else None,
@@ -1041,7 +1041,7 @@ def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None, 
     out_dir = Path(out) if out is not None else root
     out_dir.mkdir(parents=True, exist_ok=True)
     table = build_table(jobs)
-    crossovers = crossover_table(jobs, table.swept, list(nodes)) if list(bandwidths_gbit_per_s) else []
+    crossovers = crossover_table(jobs, table, list(nodes)) if list(bandwidths_gbit_per_s) else []
     pngs, notes = draw_plots(out_dir, jobs, table.swept, crossovers) if plots else ([], [])
     if crossovers:
         results.write_text_atomic(out_dir / CROSSOVER_NAME, crossover_csv(crossovers))
