@@ -134,11 +134,32 @@ class Ledger:
                              f"allowed: {FORMAT}")
         ledger = cls(int(data["ranks"]), int(data.get("recorded_by_rank", 0)))
         ledger.signatures = [tuple((str(op), float(b), int(g)) for op, b, g in sig) for sig in data["signatures"]]
-        ledger.graphs = [g if isinstance(g, dict) else [(int(a), int(b)) for a, b in g] for g in data["graphs"]]
+        ledger.graphs = [{"machine_offsets": [int(o) for o in g["machine_offsets"]]} if isinstance(g, dict)
+                         else [(int(a), int(b)) for a, b in g] for g in data["graphs"]]
         ledger.runs = [[int(i), int(c)] for i, c in data["runs"]]
         ledger.facts = dict(data.get("facts") or {})
         ledger._signature_ids = {sig: i for i, sig in enumerate(ledger.signatures)}
+        ledger.check()
         return ledger
+
+    def check(self) -> None:
+        """ValueError for a ledger read from a file that names what it does not hold: a signature's graph, a
+        run's signature, an edge's rank out of range, a run of no steps, a message of no finite size."""
+        n, graphs = self.size, len(self.graphs)
+        if n < 1:
+            raise ValueError(f"operation ledger of ranks={n}; allowed: ranks >= 1")
+        for g in self.graphs:
+            if not isinstance(g, dict) and any(not 0 <= r < n for edge in g for r in edge):
+                raise ValueError(f"operation ledger edge outside ranks 0..{n - 1}")
+        for sig in self.signatures:
+            for _, message, graph in sig:
+                if not -1 <= graph < graphs or not math.isfinite(message) or message < 0:
+                    raise ValueError(f"operation ledger entry (graph {graph}, {message} bytes); allowed: a graph "
+                                     f"-1..{graphs - 1} and a finite size")
+        for index, count in self.runs:
+            if not 0 <= index < len(self.signatures) or count < 1:
+                raise ValueError(f"operation ledger run [{index}, {count}]; allowed: a signature "
+                                 f"0..{len(self.signatures) - 1} and at least one step")
 
     def save(self, run_dir: Path) -> Path:
         """operations.json in the run folder, atomically; one line (a 1024-rank graph is 10,000 pairs)."""
@@ -214,10 +235,13 @@ class Prices:
                 buckets=self.buckets).step_s
         return hit
 
-    def cumulative(self, ledger: Ledger) -> list[float]:
-        """Modeled seconds at the end of each step, summed in step order (as the training loop sums them)."""
+    def cumulative(self, ledger: Ledger, steps: int | None = None) -> list[float]:
+        """Modeled seconds at the end of each step, summed in step order (as the training loop sums them);
+        ``steps``: the first that many only (a recorded folder's records name the steps they need)."""
         out, now = [], 0.0
         for index in ledger.sequence():
+            if steps is not None and len(out) >= steps:
+                break
             now += self.step_s(ledger, index)
             out.append(now)
         return out

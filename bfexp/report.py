@@ -209,7 +209,8 @@ def modeled_times(job: Job, scaling_node: Any) -> list[float | None] | None:
     prices = Prices.on(scaling_node, ledger.facts, measured)
     if prices is None:
         return None
-    ends = prices.cumulative(ledger)
+    last = max((rec["step"] for rec in job.records if isinstance(rec.get("step"), int)), default=0)
+    ends = prices.cumulative(ledger, last)  # no further than the records go, whatever the file's runs say
     return [ends[rec["step"] - 1] if isinstance(rec.get("step"), int) and 0 < rec["step"] <= len(ends) else None
             for rec in job.records]
 

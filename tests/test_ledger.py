@@ -208,3 +208,30 @@ def test_bad_bandwidths_are_refused_in_one_line(tmp_path, args, says):
                           timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
     assert not (tmp_path / "report.csv").exists()
+
+
+def test_an_operations_file_is_priced_no_further_than_its_records_and_checked_before(tmp_path):
+    """operations.json is data a folder carries: a run of 10**12 steps is priced only as far as metrics.jsonl's
+    records go (at once, not for hours), and one that names a signature, a graph or a rank it does not hold is
+    refused (the job is reported without its repriced columns), each by the report without a traceback."""
+    from bfexp.report import cluster_node, collect, modeled_times
+
+    facts = {"model": "logreg", "batch_size": 32, "forward_flop_per_sample": 128, "overlap": True, "buckets": 0}
+    good = {"format": 1, "ranks": 4, "facts": facts, "signatures": [[["allreduce", 264.0, -1]]], "graphs": [],
+            "runs": [[0, 10**12]]}
+    bad = [{**good, "runs": [[3, 5]]}, {**good, "signatures": [[["neighbor_allreduce", 264.0, 2]]]},
+           {**good, "graphs": [[[0, 9]]], "signatures": [[["neighbor_allreduce", 264.0, 0]]]}]
+    for i, data in enumerate([good, *bad]):
+        job = tmp_path / f"{i}_job"
+        job.mkdir()
+        (job / "summary.json").write_text(json.dumps({"status": "completed", "ranks": 4}))
+        (job / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (10, 20)))
+        (job / "operations.json").write_text(json.dumps(data))
+    node = cluster_node("ethernet_10g")
+    priced = [modeled_times(job, node) for job in collect(tmp_path)]
+    step_s = Prices.on(node, facts).step_s(Ledger.from_json(good), 0)
+    assert priced[0] == pytest.approx([10 * step_s, 20 * step_s], rel=1e-12)
+    assert priced[1:] == [None, None, None]
+    for data in bad:
+        with pytest.raises(ValueError, match="operation ledger"):
+            Ledger.from_json(data)
