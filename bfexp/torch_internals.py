@@ -123,6 +123,10 @@ class _Loaded:
 # compilation, and where that wrapper caches what it made.
 DYNAMO_WRAPPED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
 DYNAMO_DISABLE_CACHE = "__dynamo_disable"
+# The dispatch modes bfexp runs (a driver counts a model's FLOPs with torch.utils.flop_counter): torch wraps every
+# TorchDispatchMode subclass's __torch_dispatch__ the same way (TorchDispatchMode.__init_subclass__), so the first
+# counted operation imported torch._dynamo and its decompositions (2.6 s of CPU in every driver, for nothing).
+DYNAMO_WRAPPED_MODES = (("torch.utils.flop_counter", "_FlopCounterMode"),)
 
 
 def defer_dynamo() -> None:
@@ -134,9 +138,11 @@ def defer_dynamo() -> None:
     themselves from compilation. Until something asks for more (torch.compile, any
     other attribute), a stand-in answers graph_break (a no-op outside compilation) and
     those four run as they are; the first other use loads the real module in its place.
+    torch's FLOP counter (a dispatch mode, wrapped the same way) runs as it is too.
     Importing a submodule (``torch._dynamo.x``) loads the real package first.
     Nothing changes where torch._dynamo is already loaded or torch's optimizer code differs.
     """
+    import importlib
     import importlib.util
 
     use_grad = getattr(torch_optimizer, "_use_grad_for_differentiable", None)
@@ -150,7 +156,10 @@ def defer_dynamo() -> None:
     placeholder.__spec__ = spec
     sys.modules["torch._dynamo"] = placeholder
     sys.meta_path.insert(0, _Loaded)
-    for name in DYNAMO_WRAPPED:
-        original = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
+    wrapped = [getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None) for name in DYNAMO_WRAPPED]
+    for module_name, class_name in DYNAMO_WRAPPED_MODES:
+        mode = getattr(importlib.import_module(module_name), class_name, None)
+        wrapped.append(getattr(getattr(mode, "__dict__", {}).get("__torch_dispatch__"), "__wrapped__", None))
+    for original in wrapped:  # the wrapper's cache, holding the function itself: it runs as it is
         if original is not None and not hasattr(original, DYNAMO_DISABLE_CACHE):
             setattr(original, DYNAMO_DISABLE_CACHE, original)

@@ -164,6 +164,14 @@ DYNAMO_CHECK = textwrap.dedent("""
             f"torch._dynamo for more than graph_break")
     if not torch.equal(p.detach(), torch.full((3,), 0.9)):
         say(f"an optimizer step under the stand-in gave {p.tolist()}")
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counted:
+        torch.nn.Linear(4, 3)(torch.ones(2, 4))
+    if "torch._dynamo.eval_frame" in sys.modules:
+        say("torch's FlopCounterMode imported the real torch._dynamo: its __torch_dispatch__ is no longer "
+            f"wrapped as DYNAMO_WRAPPED_MODES says, or its wrapper no longer caches on {DYNAMO_DISABLE_CACHE!r}")
+    if counted.get_total_flops() != 2 * 2 * 4 * 3:  # a (2x4) @ (4x3) product: 24 multiply-adds
+        say(f"FlopCounterMode under the stand-in counted {counted.get_total_flops()} FLOPs, not 48")
     hasattr(sys.modules["torch._dynamo"], "__file__")  # inspect.getmodule asks every module (torch.library does)
     if "torch._dynamo.eval_frame" in sys.modules:
         say("a module dunder the stand-in lacks (__file__) imported the real torch._dynamo (inspect.getmodule, "
