@@ -206,7 +206,8 @@ def contention_note(ranks: int, cores: int, on_cpu: bool, quotas: Mapping[str, A
         return None
     return (
         f"{ranks} ranks share {cores} cores on this machine: measured throughput and scaling "
-        f"efficiency mostly show CPU contention, not communication; see the modeled figures"
+        f"efficiency mostly show CPU contention, not communication, so the headline figures are the modeled "
+        f"ones (the measured ones: summary.json's measured)"
     )
 
 

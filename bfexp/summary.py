@@ -147,20 +147,23 @@ def scaling_block(scaling_node: Any, engine: Any | None, measured: dict | None, 
     virtual = bool(engine is not None and engine.virtual)
     source = scaling.time_source(virtual=virtual, modeled_cluster=bool(scaling_node.modeled),
                                  throughput_only=throughput_only)
-    out = scaling.headline(measured, modeled, source)
-    out["scaling"] = str(scaling_node.name)
+    contention, extra = None, {}
     if engine is not None:
-        out.update(machine_layout(engine_node, engine))
+        extra.update(machine_layout(engine_node, engine))
         cores = scaling.processor_count()
-        out["cores"] = cores
+        extra["cores"] = cores
         facts = {} if engine.virtual else launcher_of(launcher).facts(engine.size)
-        out.update(facts)
+        extra.update(facts)
         # the ranks that share one machine's cores: across machines, those of a machine
         sharing = engine.local_size if engine.machines > 1 else engine.size
-        out["contention"] = scaling.contention_note(sharing, cores, engine.device_type == "cpu",
-                                                    (facts.get("emulated_cluster") or {}).get("cpu_per_host"))
-    else:
-        out["contention"] = None
+        contention = scaling.contention_note(sharing, cores, engine.device_type == "cpu",
+                                             (facts.get("emulated_cluster") or {}).get("cpu_per_host"))
+    if contention and source == "measured" and modeled:
+        source = "modeled"  # measured on shared cores is mostly contention: the headline is the cluster's model
+    out = scaling.headline(measured, modeled, source)
+    out["scaling"] = str(scaling_node.name)
+    out.update(extra)
+    out["contention"] = contention
     return out
 
 
