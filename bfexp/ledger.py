@@ -195,6 +195,7 @@ class Prices:
     overlap: bool = True
     buckets: int = 0
     decoded_bytes: float = 0.0  # a compressor's payloads, rebuilt as dense vectors of this size by their receivers
+    wait_s: float = 0.0  # each step's mean wait for the slowest rank (costmodel.straggler_wait_s; a measured speed's)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def communication_s(self, ledger: Ledger, index: int) -> float:
@@ -210,20 +211,23 @@ class Prices:
         return total
 
     @classmethod
-    def on(cls, scaling_node: Any, facts: dict, measured_samples_per_s: float | None = None) -> "Prices | None":
+    def on(cls, scaling_node: Any, facts: dict, measured_samples_per_s: float | None = None,
+           measured_wait_s: float = 0.0) -> "Prices | None":
         """Prices on the cluster of a scaling config (its node) for a job of ``facts`` (the ledger's: model,
         batch, FLOP of a sample's forward, overlap, buckets): a rank's compute from the cluster's declared or
-        device speed for the model, else ``measured_samples_per_s`` (the job's single-rank reference); None
-        without either."""
+        device speed for the model, else ``measured_samples_per_s`` (the job's single-rank reference, with
+        ``measured_wait_s``, the wait for the slowest rank its spread prices); None without either."""
         from bfexp import scaling
 
         speed = scaling.rank_speed(scaling_node, str(facts["model"]), float(facts["forward_flop_per_sample"]))
         samples_per_s = speed[0] if speed else measured_samples_per_s
         if not samples_per_s or not samples_per_s > 0 or not math.isfinite(samples_per_s):
             return None
+        wait_s = 0.0 if speed else float(measured_wait_s or 0.0)  # a declared speed has no measured jitter
         return cls(scaling.cluster(scaling_node), int(facts["batch_size"]) / float(samples_per_s),
                    backward_fraction=float(scaling_node["backward_fraction"]), overlap=bool(facts["overlap"]),
-                   buckets=int(facts["buckets"]), decoded_bytes=float(facts.get("decoded_bytes") or 0.0))
+                   buckets=int(facts["buckets"]), decoded_bytes=float(facts.get("decoded_bytes") or 0.0),
+                   wait_s=wait_s if math.isfinite(wait_s) and wait_s > 0 else 0.0)
 
     def step_s(self, ledger: Ledger, index: int) -> float:
         """One step of signature ``index``: compute plus its exposed communication (cached per signature)."""
@@ -232,7 +236,7 @@ class Prices:
             comm = self.communication_s(ledger, index)
             hit = self._cache[index] = costmodel.step_estimate(
                 self.compute_s, comm, backward_fraction=self.backward_fraction, overlap=self.overlap,
-                buckets=self.buckets).step_s
+                buckets=self.buckets, wait_s=self.wait_s).step_s
         return hit
 
     def cumulative(self, ledger: Ledger, steps: int | None = None) -> list[float]:

@@ -158,7 +158,41 @@ def load_job(job_dir: Path, root: Path) -> Job:
     own = summary.get("modeled_cluster")
     if own and metrics and any(_finite(rec.get("modeled_time_s")) for rec in metrics):
         job.modeled[str(own)] = [rec["modeled_time_s"] if _finite(rec.get("modeled_time_s")) else None for rec in metrics]
+    elif metrics:
+        price_on_own_network(job)
     return job
+
+
+def price_on_own_network(job: Job) -> None:
+    """A job that ran over a real network between machines (the emulated cluster's hosts, a Slurm
+    allocation) with its compute speed measured (no declared one, so its records carry no modeled time):
+    its recorded steps priced on the cluster it ran on, compute and the wait for the slowest rank as its
+    summary measured them, beside its measured time. What holds the cost model to time to accuracy
+    (recipes/bandwidth_study/README.md). Nothing for a job on one machine, or without a ledger."""
+    import yaml
+
+    modeled = job.summary.get("modeled")
+    if not (isinstance(modeled, dict) and modeled.get("compute_source") == "measured here"
+            and isinstance(job.summary.get("run_machines"), int) and job.summary["run_machines"] > 1):
+        return
+    try:
+        node = (yaml.safe_load((job.path / results.CONFIG).read_text()) or {}).get("scaling")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return
+    if not isinstance(node, dict) or node.get("modeled") is not False:
+        return
+    if not node.get("ranks_per_machine") and isinstance(job.summary.get("run_ranks_per_machine"), int):
+        node = {**node, "ranks_per_machine": job.summary["run_ranks_per_machine"]}  # where they ran (as the summary)
+    from omegaconf import OmegaConf
+
+    from bfexp.errors import ConfigError
+
+    try:
+        times = modeled_times(job, OmegaConf.create(node), measured_wait_s=modeled.get("wait_time_s") or 0.0)
+    except (ConfigError, KeyError, TypeError, ValueError):  # a scaling section this bfexp cannot price: say nothing
+        return
+    if times and any(_finite(t) for t in times):
+        job.modeled[str(modeled.get("cluster") or node.get("name") or "own")] = times
 
 
 def cluster_node(name: str) -> Any:
@@ -192,10 +226,11 @@ def priced_clusters(names: Iterable[str], bandwidths_gbit_per_s: Iterable[float]
     return out
 
 
-def modeled_times(job: Job, scaling_node: Any) -> list[float | None] | None:
+def modeled_times(job: Job, scaling_node: Any, measured_wait_s: float = 0.0) -> list[float | None] | None:
     """Each record's training time with the job's recorded steps (its operations.json) priced on the cluster
     of ``scaling_node``, as the run prices them (bfexp.ledger); None for a job without a ledger or a compute
-    speed (the cluster's for the model, else the job's own single-rank reference)."""
+    speed (the cluster's for the model, else the job's own single-rank reference, and then
+    ``measured_wait_s`` a step for the slowest rank)."""
     from bfexp.ledger import Ledger, Prices
 
     try:
@@ -206,7 +241,7 @@ def modeled_times(job: Job, scaling_node: Any) -> list[float | None] | None:
         return None
     step = scaling.get(job.summary.get("reference") or {}, "step_time_s")
     measured = scaling.throughput(1, ledger.facts["batch_size"], step.value if step is not None else None)
-    prices = Prices.on(scaling_node, ledger.facts, measured)
+    prices = Prices.on(scaling_node, ledger.facts, measured, measured_wait_s)
     if prices is None:
         return None
     last = max((rec["step"] for rec in job.records if isinstance(rec.get("step"), int)), default=0)

@@ -92,8 +92,8 @@ def test_an_unknown_cluster_is_refused_in_one_line(tmp_path):
 
 
 def job(tmp_path, name: str, *args: str) -> tuple[dict, list[dict]]:
-    proc = run_bfexp([*args, "ranks=8", "steps=24", "log_every=4", "baseline_steps=0", "report=false",
-                      "logger=jsonl", "scaling.reference_steps=1", f"hydra.run.dir={name}"], tmp_path, timeout=300)
+    proc = run_bfexp(["ranks=8", "steps=24", "log_every=4", "baseline_steps=0", "report=false", "logger=jsonl",
+                      "scaling.reference_steps=1", f"hydra.run.dir={name}", *args], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return json.loads((tmp_path / name / "summary.json").read_text()), records
@@ -235,3 +235,27 @@ def test_an_operations_file_is_priced_no_further_than_its_records_and_checked_be
     for data in bad:
         with pytest.raises(ValueError, match="operation ledger"):
             Ledger.from_json(data)
+
+
+def test_a_job_over_a_network_is_priced_on_its_own_cluster_as_its_summary_prices_it(tmp_path):
+    """A job that ran between machines with its compute measured (the emulated cluster's, a Slurm
+    allocation's: no declared speed, so its records carry no modeled time) is priced by the report on the
+    cluster it ran on: the measured compute, the exchanges its ledger recorded and the wait for the slowest
+    rank, step by step, equal to the summary's modeled step (from the algorithm's stated traffic) times the
+    step. Its folder is a real run's; only summary.json's run_machines is set to what two machines give
+    (this machine has one). On one machine nothing is added."""
+    from bfexp import report
+
+    summary, records = job(tmp_path, "run", "engine=threads", "algorithm=dsgd", "topology=exp2",
+                           "scaling.straggler_wait=true", "scaling.ranks_per_machine=4", "scaling.reference_steps=8",
+                           "scaling.reference=fresh")
+    assert "modeled_time_s" not in records[0] and summary["modeled"]["compute_source"] == "measured here"
+    assert report.collect(tmp_path / "run")[0].modeled == {}  # one machine: its measured time is the answer
+    summary["run_machines"] = 2
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(summary))
+    [repriced] = report.collect(tmp_path / "run")
+    step_s = summary["modeled"]["step_time_s"]
+    assert summary["modeled"]["wait_time_s"] > 0 and summary["modeled"]["machines"] == 2
+    assert repriced.modeled["local"] == pytest.approx([r["step"] * step_s for r in records], rel=1e-9)
+    row = report.build_table([repriced]).rows[0]
+    assert row["modeled_train_time_s@local"] == pytest.approx(24 * step_s, rel=1e-9)
