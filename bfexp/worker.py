@@ -350,8 +350,8 @@ class Training:
         return False
 
     def run(self) -> Trained:
-        if self.budget_s is not None:  # the budget's clock starts once every rank is here (start-up skew
-            self.engine.barrier()      # under load is tens of seconds: it would land in the first step)
+        if self.engine.size > 1:  # training time (and a budget's clock) starts once every rank is here: start-up
+            self.engine.barrier()  # skew (tens of seconds under load) would land in the first step's wait
         try:
             return self.run_unlocked() if self.unlocked else self.run_locked()
         finally:

@@ -1,7 +1,8 @@
 """The bandwidth study, small, on the emulated cluster (scripts/cluster_local.sh up --hosts 3; .ci/run runs this
 after the multi-host and Slurm tests, since its jobs reshape the hosts' links and quotas): launcher=emulated and
 scaling=emulated composed and run, every job's measured step time against the cost model's price of the same job
-on the same links and quota, and a 1-host job's efficiency. Elsewhere these skip, saying why.
+on the same links and quota, the same for the time each job took to reach a target accuracy, and a 1-host job's
+efficiency. Elsewhere these skip, saying why.
 
 The bounds are the ones the cost model is held to (recipes/bandwidth_study/README.md): measured/modeled within
 15% at the median, no point beyond 30%.
@@ -21,6 +22,7 @@ import pytest
 from bfexp.launchers.emulated import STATE
 
 HOSTS = 3
+TARGET = 0.6
 
 
 def missing() -> str | None:
@@ -59,10 +61,12 @@ def summaries(sweep: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def study(folder) -> list[dict]:
-    """Two methods at two link rates on 3 hosts, a few steps each."""
-    proc = bfexp(folder, "-m", "+experiment=bandwidth_study", f"ranks={HOSTS}", "steps=24", "log_every=8",
-                 "baseline_steps=4", "scaling.reference_steps=8", "launcher.link_rate=500mbit,2gbit",
-                 "+experiment/bandwidth_study=allreduce,dsgd_one_peer_exp2", "hydra.sweep.dir=sweep")
+    """Two methods at two link rates on 3 hosts, a few steps each, held-out accuracy every 8 steps (allreduce
+    reaches 0.6 at step 16, one-peer DSGD at 24)."""
+    proc = bfexp(folder, "-m", "+experiment=bandwidth_study", f"ranks={HOSTS}", "steps=32", "log_every=8",
+                 "eval_every=8", f"target_accuracy={TARGET}", "baseline_steps=4", "scaling.reference_steps=8",
+                 "launcher.link_rate=500mbit,2gbit", "+experiment/bandwidth_study=allreduce,dsgd_one_peer_exp2",
+                 "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = summaries(folder / "sweep")
     assert len(jobs) == 4
@@ -93,6 +97,28 @@ def test_measured_step_times_are_what_the_cost_model_prices(study):
     # where bandwidth is scarce, one message a step beats a ring's 2(n-1)/n of one
     step = {(j["algorithm"], next(iter(j["emulated_cluster"]["link_rate"].values()))): j["step_time_s"] for j in study}
     assert step[("dsgd", "500mbit")] < step[("allreduce", "500mbit")], step
+
+
+def test_time_to_accuracy_is_what_the_cost_model_prices(study, folder):
+    """The report prices each job's recorded steps (operations.json) on the cluster it ran on (its measured
+    compute, the links and quota, the wait for the slowest rank): the modeled time to the target accuracy
+    against the measured one, the same evaluation of the same job. Issue 48 holds the model to 15% on at
+    least 3 of these 4 jobs; none may be off by 30%."""
+    from bfexp import report
+
+    jobs = report.collect(folder / "sweep")
+    ratios = {}
+    for job in jobs:
+        measured = report.time_to_target(job.records, "accuracy", TARGET, True)
+        modeled = report.time_to_target(job.records, "accuracy", TARGET, True, job.modeled["emulated"])
+        assert measured and modeled, (job.name, [r.get("accuracy") for r in job.records])
+        ratios[job.name] = measured / modeled
+    assert len(ratios) == 4
+    assert sum(0.85 <= r <= 1.15 for r in ratios.values()) >= 3, ratios
+    assert all(0.7 <= r <= 1.3 for r in ratios.values()), ratios
+    # the report's table carries both, per job
+    rows = report.build_table(jobs).rows
+    assert all(r["time_to_target_accuracy_s@emulated"] and r["time_to_target_accuracy_s"] for r in rows)
 
 
 def test_one_host_is_its_own_reference(folder):
