@@ -53,8 +53,8 @@ Config groups (pick one option each, e.g. topology=ring):
 {groups}
 
 Top-level keys: ranks, seed, steps, epochs, budget_s, batch_size, lr, dtype, log_every,
-  eval_every, eval_every_s, eval_budget, eval_subset, timeout_s, checkpoint_every, fail_fast, skip_invalid,
-  throughput_only, baseline_steps, report
+  eval_every, eval_every_s, eval_budget, eval_points, eval_subset, timeout_s, checkpoint_every, fail_fast,
+  skip_invalid, throughput_only, baseline_steps, report
 Options have their own keys, e.g. algorithm.style=awc, topology.base=3,
 optimizer.momentum=0.9; `bfexp --cfg job algorithm=dsgd` shows them all.
 Your own class: model._target_=mypkg.Net (or a YAML in --config-dir).

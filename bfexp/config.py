@@ -320,6 +320,7 @@ def validate(cfg: Any, reach: bool = False) -> None:
     if cfg.get("eval_every") is not None:
         number_in("eval_every", cfg.eval_every, low=1, integer=True)
     number_in("eval_budget", cfg.get("eval_budget", 0.1), low=0, low_open=True)
+    number_in("eval_points", cfg.get("eval_points", 10), low=0, integer=True)
     if cfg.get("eval_subset") is not None:
         number_in("eval_subset", cfg.eval_subset, low=1, integer=True)
     number_in("divergence_loss", cfg.divergence_loss, low=0, low_open=True)

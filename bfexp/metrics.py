@@ -116,17 +116,22 @@ class EvalSchedule:
     evaluation costs about samples / (3 batch) steps, and evaluations are spaced by that over
     ``budget``, rounded up to a multiple of ``log_every``. The first logged step evaluates
     too, so a curve has its start. For a small model a step is mostly fixed costs, so the
-    estimate errs towards fewer evaluations; ``eval_every`` asks for more. ``time_s`` counts
-    this rank's seconds spent evaluating (reported apart from the training time).
+    estimate errs towards fewer evaluations; ``points`` (eval_points) bounds the spacing so a run
+    of ``steps`` evaluates at least that many times (in multiples of ``log_every``), and
+    ``eval_every`` asks for any spacing. ``time_s`` counts this rank's seconds spent evaluating
+    (reported apart from the training time).
     """
 
-    def __init__(self, every: int | None, budget: float, log_every: int, samples: int, batch: int) -> None:
+    def __init__(self, every: int | None, budget: float, log_every: int, samples: int, batch: int,
+                 steps: int = 0, points: int = 0) -> None:
         self.every, self.log_every = every, int(log_every)
         if every:
             self.interval = int(every)
         else:
-            steps = samples / (3.0 * max(1, batch) * float(budget))  # training steps per evaluation
-            self.interval = self.log_every * max(1, math.ceil(steps / self.log_every - 1e-9))
+            per_eval = samples / (3.0 * max(1, batch) * float(budget))  # training steps per evaluation
+            self.interval = self.log_every * max(1, math.ceil(per_eval / self.log_every - 1e-9))
+            if points and steps:  # a curve of at least `points` evaluations, whatever the budget allows
+                self.interval = min(self.interval, self.log_every * max(1, steps // (points * self.log_every)))
         self.time_s = 0.0
         self.count = 0
 

@@ -182,6 +182,9 @@ class Config:
     # about eval_budget of the training time, priced from the work (bfexp.metrics.EvalSchedule).
     eval_every: Optional[int] = None
     eval_budget: float = 0.1
+    # With eval_every=null: at least this many evaluations over the run, evenly spaced in multiples of log_every,
+    # where eval_budget would space them wider (accuracy curves, not two points); 0 = eval_budget alone.
+    eval_points: int = 10
     # Evaluate on the first this many held-out samples (a fixed subset); null = all of them.
     eval_subset: Optional[int] = None
     # A run is stopped as diverged when the loss is not finite or exceeds this.

@@ -281,7 +281,7 @@ class Training:
         self.elapsed_before = resumed.get("elapsed_s", 0.0)
         # Held-out evaluation: at eval_every, or as often as eval_budget of the training time allows (bfexp.metrics).
         self.evals = EvalSchedule(settings.eval_every, settings.eval_budget, settings.log_every,
-                                  len(self.test[1]), self.sampler.batch_size)
+                                  len(self.test[1]), self.sampler.batch_size, steps, settings.eval_points)
         self.evals.time_s, self.last_eval = resumed.get("eval_time_s", 0.0), resumed.get("last_eval", {})
         # Time to accuracy: this rank's training time, simulated (virtual ranks' clocks) or measured
         # (wall seconds inside its training steps, straggler sleeps included).

@@ -52,6 +52,7 @@ CASES = [
     ("report-type", ["report=perhaps"], ["report", "perhaps"]),
     ("eval-every-zero", ["eval_every=0"], ["eval_every=0", ">= 1"]),
     ("eval-budget-zero", ["eval_budget=0"], ["eval_budget=0", "> 0"]),
+    ("eval-points-negative", ["eval_points=-1"], ["eval_points=-1", ">= 0"]),
     ("budget-s-zero", ["budget_s=0"], ["budget_s=0", "> 0"]),
     ("budget-s-word", ["budget_s=soon"], ["budget_s", "soon"]),
     ("eval-every-s-negative", ["eval_every_s=-1"], ["eval_every_s=-1", "> 0"]),

@@ -61,8 +61,8 @@ def test_eval_every_and_subset_run_small_with_eval_time_apart(bfexp):
 def test_budget_spaces_evaluations_in_multiples_of_log_every(bfexp):
     # A budget nothing fits: the first logged step measures, then only the last evaluates.
     # A budget everything fits: every logged step evaluates.
-    proc = bfexp("-m", *SMALL, "steps=12", "log_every=3", "eval_budget=1e-12,1e12", "hydra.sweep.dir=sweep",
-                 "report=false")
+    proc = bfexp("-m", *SMALL, "steps=12", "log_every=3", "eval_budget=1e-12,1e12", "eval_points=0",
+                 "hydra.sweep.dir=sweep", "report=false")
     assert proc.returncode == 0, proc.stderr
     runs = {json.loads((p / results.SUMMARY).read_text())["eval_every"]: p
             for p in (bfexp.cwd / "sweep").iterdir() if (p / results.SUMMARY).exists()}
@@ -70,6 +70,28 @@ def test_budget_spaces_evaluations_in_multiples_of_log_every(bfexp):
     tight, loose = runs[max(runs)], runs[min(runs)]
     assert evaluated_steps(tight) == [3, 12] and max(runs) % 3 == 0 and max(runs) > 12
     assert evaluated_steps(loose) == [3, 6, 9, 12] and min(runs) == 3
+
+
+def test_a_run_evaluates_often_enough_for_a_curve_by_default(bfexp):
+    """eval_points (10 by default) evenly spaced in multiples of log_every, where the budget would give fewer:
+    200 steps logged every 10 evaluate every floor(200 / (10 x 10)) x 10 = 20 steps, plus the first logged step;
+    eval_points=3 every floor(200 / 30) = 6 logs, 60 steps; a budget that allows more keeps its own spacing."""
+    proc = bfexp("-m", *SMALL, "steps=200", "log_every=10", "eval_budget=1e-12", "eval_points=10,3,0",
+                 "hydra.sweep.dir=sweep", "report=false")
+    assert proc.returncode == 0, proc.stderr
+    by_points = {}
+    for run in (bfexp.cwd / "sweep").iterdir():
+        if (run / results.SUMMARY).exists():
+            points = int(next(o for o in (run / ".hydra" / "overrides.yaml").read_text().split()
+                              if o.startswith("eval_points=")).split("=")[1])
+            by_points[points] = evaluated_steps(run)
+    assert by_points[10] == [10, *range(20, 201, 20)]
+    assert by_points[3] == [10, 60, 120, 180, 200]
+    assert by_points[0] == [10, 200]  # the budget alone: nothing fits but the first logged step and the last
+    proc = bfexp(*SMALL, "steps=200", "log_every=10", "eval_budget=1e12", "eval_points=10", "hydra.run.dir=loose",
+                 "report=false")
+    assert proc.returncode == 0, proc.stderr
+    assert evaluated_steps(bfexp.cwd / "loose") == list(range(10, 201, 10))
 
 
 def test_the_job_table_shows_training_and_evaluation_time(capsys):
