@@ -383,6 +383,18 @@ def _md_cell(row: dict, key: str) -> str:
     return cell(row, key).replace("|", "\\|").replace("\n", " ")
 
 
+# report.md's columns beyond the console's: a job's step time and its error in full (report.csv keeps every figure).
+MD_EXTRA = ("step_time_s", "error")
+
+
+def md_columns(table: Table) -> list[str]:
+    """report.md's table: the console's short set (what varied, status, accuracy, the scaling figures, where
+    times come from, time to target and each priced cluster's) plus MD_EXTRA; a cluster priced at several
+    bandwidths has its columns in report.csv and crossover.csv only."""
+    return [c for c in table.columns if (c not in TABLE_FIELDS or c in CONSOLE_FIELDS or c in MD_EXTRA)
+            and not ("@" in c and ":" in c)]
+
+
 def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], notes: list[str]) -> str:
     counts = defaultdict(int)
     for job in jobs:
@@ -398,8 +410,7 @@ def to_markdown(root: Path, jobs: list[Job], table: Table, plots: list[Path], no
     fixed = fixed_overrides(jobs)
     if fixed:
         lines.append("Fixed overrides: " + " ".join(f"`{k}={v}`" for k, v in fixed.items()) + ".")
-    # a cluster priced at several bandwidths: its columns in report.csv and crossover.csv, not here
-    columns = [c for c in table.columns if not ("@" in c and ":" in c)]
+    columns = md_columns(table)
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for row, job in zip(table.rows, jobs):
         cells = [_md_cell(row, c) for c in columns]
@@ -860,7 +871,7 @@ class Plotter:
             handles, labels = axes[0].get_legend_handles_labels()
             if handles:
                 fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-            fig.suptitle(f"Accuracy and loss against modeled time on {cluster}")
+            fig.suptitle(f"Accuracy and loss against modeled time on {cluster}", x=0.02, ha="left")
             self.footnote(fig, "Modeled time: each recorded step's operations priced by bfexp's cost model "
                                f"(compute from {cluster}'s device or declared speed, else the job's measured one).")
             self.save(fig, f"modeled_{re.sub(r'[^A-Za-z0-9_.-]', '_', cluster)}.png")

@@ -122,8 +122,12 @@ def test_markdown_names_what_varied_and_what_was_left_out(sweep):
     assert "Fixed overrides: `steps=8` `log_every=2`." in md
     header = next(line for line in md.splitlines() if line.startswith("| job"))
     assert header.split(" | ")[1:3] == ["algorithm", "ranks"]
-    for column in ("scaling_efficiency", "speedup_vs_baseline", "time_source", "error"):
+    for column in ("scaling_efficiency", "speedup_vs_baseline", "time_source", "step_time_s", "error"):
         assert column in header
+    # a short set: what the terminal shows, the step time and the error; report.csv keeps every figure
+    csv_header = (sweep / "report.csv").read_text().splitlines()[0].split(",")
+    for column in ("framework_overhead_fraction", "reference_source", "peak_memory_bytes", "compute_time_s"):
+        assert column not in header.split(" | ") and column in csv_header, column
     table_rows = [line for line in md.splitlines() if line.startswith("| [")]
     assert len(table_rows) == 6
     assert "injected \\| failure" in md  # a | inside a cell does not break the table
