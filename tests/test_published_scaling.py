@@ -1,8 +1,8 @@
 """recipes/resnet50_scaling/README.md, "Held against published measurements": the cost model against published
 scaling efficiencies (NVIDIA's DGX-1 table, BlueFog's AWS benchmark).
 
-Every command of that section runs through the real CLI as written (throughput-only on a modeled cluster: no
-rank starts, seconds each), its sweep folder given with hydra.sweep.dir. Each row's bfexp cell is the figure
+Every command of that section runs through the real CLI as written, in one interpreter (throughput-only on a
+modeled cluster: no rank starts, a second or two each), its sweep folder given with hydra.sweep.dir. Each row's bfexp cell is the figure
 its command prints, to the table's three decimals; its difference is bfexp's cell less the published one, in
 points to one decimal; its verdict is whether that is within 5 points. The prose's figures for the
 10 Gbit/s command are what that command prints.
@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from concurrent.futures import ThreadPoolExecutor
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_bfexp
+from tests.conftest import REPO
 
 README = REPO / "recipes" / "resnet50_scaling" / "README.md"
 SECTION = "## Held against published measurements"
@@ -56,28 +58,50 @@ def sensitivity_command() -> str:
     return lines[0]
 
 
-def run(command: str, cwd: Path) -> dict:
-    """The one job of a documented `bfexp -m ...` command, run as written in a folder of its own: its summary."""
-    words = shlex.split(command)
-    assert words[0] == "bfexp", command
-    cwd.mkdir(parents=True)
-    proc = run_bfexp([*words[1:], "hydra.sweep.dir=sweep"], cwd)
-    assert proc.returncode == 0, (command, proc.stderr[-3000:])
-    summaries = [json.loads(p.read_text()) for p in sorted((cwd / "sweep").glob("*/summary.json"))]
-    assert len(summaries) == 1, (command, len(summaries))
-    assert summaries[0]["status"] == "completed", summaries[0].get("error")
-    assert summaries[0]["time_source"] == "modeled" and summaries[0]["throughput_only"] is True
-    return summaries[0]
+# The section's commands through the real CLI, one after another in one interpreter (tests/cli_in_process.py):
+# one start instead of one per command.
+RUNNER = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from tests.cli_in_process import call
+
+    out = {}
+    for case in json.loads(sys.argv[1]):
+        folder = Path(case["folder"])
+        folder.mkdir(parents=True)
+        os.chdir(folder)
+        got = call(case["args"])
+        out[case["command"]] = {"code": got["code"], "stderr": got["stderr"][-3000:], "escaped": got["escaped"],
+                                "summaries": [json.loads(p.read_text())
+                                              for p in sorted((folder / "sweep").glob("*/summary.json"))]}
+    print(json.dumps(out))
+""")
 
 
 @pytest.fixture(scope="module")
 def priced(tmp_path_factory) -> dict[str, dict]:
-    """Every distinct command of the section -> its job's summary (the jobs run side by side)."""
+    """Every distinct command of the section -> its job's summary, each run as written in a folder of its own."""
     commands = sorted({code(row["command"]) for row in table()} | {sensitivity_command()})
     root = tmp_path_factory.mktemp("published")
-    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
-        summaries = list(pool.map(lambda ic: run(ic[1], root / f"job{ic[0]}"), enumerate(commands)))
-    return dict(zip(commands, summaries))
+    cases = []
+    for i, command in enumerate(commands):
+        words = shlex.split(command)
+        assert words[0] == "bfexp", command
+        cases.append({"command": command, "folder": str(root / f"job{i}"), "args": [*words[1:], "hydra.sweep.dir=sweep"]})
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(cases)], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for command in commands:
+        job = got[command]
+        assert job["code"] == 0 and job["escaped"] is None, (command, job["escaped"] or job["stderr"])
+        assert len(job["summaries"]) == 1, (command, len(job["summaries"]))
+        summary = job["summaries"][0]
+        assert summary["status"] == "completed", summary.get("error")
+        assert summary["time_source"] == "modeled" and summary["throughput_only"] is True
+        out[command] = summary
+    return out
 
 
 def published(cell: str) -> tuple[float, bool]:
