@@ -70,3 +70,38 @@ def call_main(command: str, args: list[str]) -> dict[str, Any]:
     import importlib
 
     return captured(importlib.import_module(MAINS[command]).main, args)
+
+
+# ``calls``'s child: each case in a folder of its own, through ``call``, then every summary.json the case left there.
+_CALLS = """
+import json, os, sys
+from pathlib import Path
+from tests.cli_in_process import call
+
+out = {}
+for case in json.loads(sys.argv[1]):
+    folder = Path(case["folder"])
+    folder.mkdir(parents=True)
+    os.chdir(folder)
+    got = call(case["args"])
+    out[case["id"]] = {**got, "stdout": got["stdout"][-2000:],
+                       "summaries": {str(p.relative_to(folder)): json.loads(p.read_text())
+                                     for p in sorted(folder.glob("**/summary.json"))}}
+print(json.dumps(out))
+"""
+
+
+def calls(cases: list[dict[str, Any]], timeout: float, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """``bfexp`` command lines one after another in one fresh interpreter: each case ({"id", "folder", "args"})
+    runs in its folder (made here); {id: exit code, stdout's end, stderr, escaped traceback, and
+    {path under the folder: summary} of every summary.json it left}."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", _CALLS, json.dumps(cases)], capture_output=True, text=True,
+                          cwd=repo, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

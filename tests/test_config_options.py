@@ -11,17 +11,13 @@ torch start per option.
 """
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from bfexp.cli import GROUPS, group_options
-from tests.conftest import REPO
+from tests.cli_in_process import calls
 
 # Overrides an option needs to run small on this machine.
 EXTRA: dict[tuple[str, str], list[str]] = {
@@ -79,24 +75,6 @@ def engine_for(group: str, option: str) -> list[str]:
     return ["engine=threads"]
 
 
-RUNNER = textwrap.dedent("""
-    import json, os, sys
-    from pathlib import Path
-    from tests.cli_in_process import call
-
-    out = {}
-    for case in json.loads(sys.argv[1]):
-        folder = Path(case["folder"])
-        folder.mkdir(parents=True)
-        os.chdir(folder)
-        got = call(case["args"])
-        summary = folder / "run" / "summary.json"
-        out[case["id"]] = {**got, "stdout": got["stdout"][-2000:],
-                           "summary": json.loads(summary.read_text()) if summary.exists() else None}
-    print(json.dumps(out))
-""")
-
-
 # What makes a job small beyond its steps: no allreduce baseline and a one-step single-rank reference (tests/
 # test_scaling.py runs both at their defaults). A scaling option keeps its reference: it is what it prices.
 SMALL = {"baseline_steps": "0", "scaling.reference_steps": "1"}
@@ -117,10 +95,8 @@ def jobs(tmp_path_factory) -> dict:
     cases = [{"id": f"{g}={o}", "args": args_for(g, o), "folder": str(root / f"{g}-{o}")}
              for g, o in CASES if (g, o) not in UNAVAILABLE]
     env = {k: v for k, v in os.environ.items() if k != "BFEXP_DEBUG"}
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(cases)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    got = calls(cases, timeout=1200, env=env)
+    return {cid: {**job, "summary": job["summaries"].get("run/summary.json")} for cid, job in got.items()}
 
 
 @pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])

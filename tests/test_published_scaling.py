@@ -10,16 +10,12 @@ points to one decimal; its verdict is whether that is within 5 points. The prose
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.cli_in_process import calls
 from tests.conftest import REPO
 
 README = REPO / "recipes" / "resnet50_scaling" / "README.md"
@@ -58,26 +54,6 @@ def sensitivity_command() -> str:
     return lines[0]
 
 
-# The section's commands through the real CLI, one after another in one interpreter (tests/cli_in_process.py):
-# one start instead of one per command.
-RUNNER = textwrap.dedent("""
-    import json, os, sys
-    from pathlib import Path
-    from tests.cli_in_process import call
-
-    out = {}
-    for case in json.loads(sys.argv[1]):
-        folder = Path(case["folder"])
-        folder.mkdir(parents=True)
-        os.chdir(folder)
-        got = call(case["args"])
-        out[case["command"]] = {"code": got["code"], "stderr": got["stderr"][-3000:], "escaped": got["escaped"],
-                                "summaries": [json.loads(p.read_text())
-                                              for p in sorted((folder / "sweep").glob("*/summary.json"))]}
-    print(json.dumps(out))
-""")
-
-
 @pytest.fixture(scope="module")
 def priced(tmp_path_factory) -> dict[str, dict]:
     """Every distinct command of the section -> its job's summary, each run as written in a folder of its own."""
@@ -87,17 +63,14 @@ def priced(tmp_path_factory) -> dict[str, dict]:
     for i, command in enumerate(commands):
         words = shlex.split(command)
         assert words[0] == "bfexp", command
-        cases.append({"command": command, "folder": str(root / f"job{i}"), "args": [*words[1:], "hydra.sweep.dir=sweep"]})
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(cases)], capture_output=True, text=True,
-                          cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+        cases.append({"id": command, "folder": str(root / f"job{i}"), "args": [*words[1:], "hydra.sweep.dir=sweep"]})
+    got = calls(cases, timeout=600)  # one interpreter for them all (tests/cli_in_process.py)
     out = {}
     for command in commands:
         job = got[command]
         assert job["code"] == 0 and job["escaped"] is None, (command, job["escaped"] or job["stderr"])
-        assert len(job["summaries"]) == 1, (command, len(job["summaries"]))
-        summary = job["summaries"][0]
+        assert len(job["summaries"]) == 1, (command, list(job["summaries"]))
+        [summary] = job["summaries"].values()
         assert summary["status"] == "completed", summary.get("error")
         assert summary["time_source"] == "modeled" and summary["throughput_only"] is True
         out[command] = summary
