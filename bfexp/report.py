@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import math
 import os
@@ -104,6 +105,21 @@ class Job:
         m = re.match(r"(\d+)(?:_|$)", self.name)
         return int(m.group(1)) if m else None
 
+    @functools.cached_property
+    def config(self) -> dict:
+        """The job's config.yaml as plain data, read once and as results files are (bfexp.files.read_file: a
+        regular file within results.JSON_LIMIT, so a FIFO, /dev/zero or a huge file is no config); {} where
+        there is none or it is not a YAML mapping."""
+        import yaml
+
+        from bfexp.files import read_file
+
+        try:
+            data = yaml.safe_load(read_file(self.path / results.CONFIG, results.JSON_LIMIT))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
 
 def is_job_dir(path: Path) -> bool:
     return (path / results.SUMMARY).is_file() or (path / ".hydra" / "overrides.yaml").is_file()
@@ -169,23 +185,16 @@ def price_on_own_network(job: Job) -> None:
     its recorded steps priced on the cluster it ran on, compute and the wait for the slowest rank as its
     summary measured them, beside its measured time. What holds the cost model to time to accuracy
     (recipes/bandwidth_study/README.md). Nothing for a job on one machine, or without a ledger."""
-    import yaml
-
     modeled = job.summary.get("modeled")
     if not (isinstance(modeled, dict) and modeled.get("compute_source") == "measured here"
             and isinstance(job.summary.get("run_machines"), int) and job.summary["run_machines"] > 1):
         return
-    try:
-        node = (yaml.safe_load((job.path / results.CONFIG).read_text()) or {}).get("scaling")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return
+    node = job.config.get("scaling")
     if not isinstance(node, dict) or node.get("modeled") is not False:
         return
     if not node.get("ranks_per_machine") and isinstance(job.summary.get("run_ranks_per_machine"), int):
         node = {**node, "ranks_per_machine": job.summary["run_ranks_per_machine"]}  # where they ran (as the summary)
     from omegaconf import OmegaConf
-
-    from bfexp.errors import ConfigError
 
     try:
         times = modeled_times(job, OmegaConf.create(node), measured_wait_s=modeled.get("wait_time_s") or 0.0)
@@ -564,13 +573,7 @@ TARGETS = (("accuracy", "final_accuracy", "target_accuracy", True),
 
 def configured_targets(job: Job) -> dict[str, float]:
     """target_accuracy / target_eval_loss as the job's config.yaml sets them (absent: none)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((job.path / results.CONFIG).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    return {key: float(data[key]) for _, _, key, _ in TARGETS if _finite(data.get(key))}
+    return {key: float(job.config[key]) for _, _, key, _ in TARGETS if _finite(job.config.get(key))}
 
 
 def baseline_job(job: Job, jobs: list[Job], swept: list[str]) -> Job | None:

@@ -8,7 +8,9 @@ named code would have made.
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import json
 import os
 import pickle
 import subprocess
@@ -255,6 +257,30 @@ def test_bfexp_report_names_a_summary_that_is_not_a_file(tmp_path, kind):
                           capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
     assert "character device" in out if kind == "dev-zero" else "a FIFO" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
+def test_bfexp_report_reads_no_config_that_is_not_a_file(tmp_path, kind):
+    """bfexp-report over a completed job whose config.yaml is /dev/zero or a FIFO (its targets and its scaling
+    section come from there): the job is reported without them and the report ends (no unbounded read, no
+    blocked open)."""
+    job = tmp_path / "sweep" / "0_lr=0.1"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- lr=0.1\n")
+    (job / "summary.json").write_text(json.dumps({"status": "completed", "algorithm": "dsgd", "ranks": 2,
+                                                  "run_machines": 2, "modeled": {"compute_source": "measured here"}}))
+    (job / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "accuracy": 0.5, "time_s": 0.1}) + "\n")
+    if kind == "dev-zero":
+        os.symlink("/dev/zero", job / "config.yaml")
+    else:
+        os.mkfifo(job / "config.yaml")
+    proc = subprocess.run([sys.executable, "-m", "bfexp.report", str(tmp_path / "sweep"), "--no-plots"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(tmp_path / "sweep" / "report.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert row["status"] == "completed" and not row.get("target_accuracy")
+    assert not any(v for k, v in row.items() if "@" in k)  # no cluster read from it to price on
 
 
 def test_read_file_takes_regular_files_within_their_limit(tmp_path):
