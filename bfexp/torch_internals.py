@@ -142,7 +142,6 @@ def defer_dynamo() -> None:
     Importing a submodule (``torch._dynamo.x``) loads the real package first.
     Nothing changes where torch._dynamo is already loaded or torch's optimizer code differs.
     """
-    import importlib
     import importlib.util
 
     use_grad = getattr(torch_optimizer, "_use_grad_for_differentiable", None)
