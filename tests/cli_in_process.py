@@ -81,7 +81,7 @@ from tests.cli_in_process import call
 out = {}
 for case in json.loads(sys.argv[1]):
     folder = Path(case["folder"])
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     os.chdir(folder)
     got = call(case["args"])
     out[case["id"]] = {**got, "stdout": got["stdout"][-2000:],
@@ -93,8 +93,8 @@ print(json.dumps(out))
 
 def calls(cases: list[dict[str, Any]], timeout: float, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """``bfexp`` command lines one after another in one fresh interpreter: each case ({"id", "folder", "args"})
-    runs in its folder (made here); {id: exit code, stdout's end, stderr, escaped traceback, and
-    {path under the folder: summary} of every summary.json it left}."""
+    runs in its folder (made here unless the caller prepared it; cases may share one, in turn); {id: exit code,
+    stdout's end, stderr, escaped traceback, and {path under the folder: summary} of every summary.json it left}."""
     import json
     import subprocess
     import sys
