@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from tests.cli_in_process import calls
 from tests.conftest import REPO, run_bfexp
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -49,17 +50,38 @@ class Sweep:
     summaries: list[dict]
 
 
+def sweep_args(name: str, *overrides: str) -> list[str]:
+    return ["-m", f"+experiment={name}", *overrides, "hydra.sweep.dir=sweep"]
+
+
+def sweep_of(folder: Path, code: int, stdout: str, stderr: str) -> Sweep:
+    summaries = [json.loads(p.read_text()) for p in sorted((folder / "sweep").glob("*/summary.json"))]
+    return Sweep(stdout, stderr, code, folder / "sweep", summaries)
+
+
 def run_sweep(cwd: Path, name: str, *overrides: str) -> Sweep:
-    proc = run_bfexp(["-m", f"+experiment={name}", *overrides, "hydra.sweep.dir=sweep"], cwd, timeout=600)
-    folder = cwd / "sweep"
-    summaries = [json.loads(p.read_text()) for p in sorted(folder.glob("*/summary.json"))]
-    return Sweep(proc.stdout, proc.stderr, proc.returncode, folder, summaries)
+    proc = run_bfexp(sweep_args(name, *overrides), cwd, timeout=600)
+    return sweep_of(cwd, proc.returncode, proc.stdout, proc.stderr)
+
+
+# Every study make test runs (as SMALL trims it), and the allreduce jobs of
+# test_resnet50_scaling_baseline_columns_are_the_allreduce_jobs: one interpreter for them all
+# (tests/cli_in_process.py), one after another, each in a folder of its own.
+RESNET50_ALLREDUCE = ("algorithm=allreduce", "topology=exp2", "ranks=8,16,128", "batch_size=32", "report=false")
 
 
 @pytest.fixture(scope="module")
 def studies(tmp_path_factory):
-    """Each study run once (as SMALL trims it) and shared by the tests that read it."""
-    done: dict[str, Sweep] = {}
+    """Each study run once (as SMALL trims it) and shared by the tests that read it; a study no case lists (a
+    ``large`` one) runs alone when a test asks for it."""
+    root = tmp_path_factory.mktemp("studies")
+    cases = [{"id": name, "folder": str(root / name), "args": sweep_args(name, *SMALL.get(name, []))}
+             for name in EXPERIMENTS if name not in LARGE and name not in ELSEWHERE]
+    cases.append({"id": "resnet50_allreduce", "folder": str(root / "resnet50_allreduce"),
+                  "args": sweep_args("resnet50_scaling", *RESNET50_ALLREDUCE)})
+    got = calls(cases, timeout=1200)
+    done = {c["id"]: sweep_of(Path(c["folder"]), got[c["id"]]["code"], got[c["id"]]["stdout"],
+                              got[c["id"]]["stderr"] + (got[c["id"]]["escaped"] or "")) for c in cases}
 
     def get(name: str) -> Sweep:
         if name not in done:
@@ -193,13 +215,12 @@ def test_resnet50_scaling_readme_states_what_the_study_prints(studies):
     assert compared == len({(b, n) for b, n, _ in points})
 
 
-def test_resnet50_scaling_baseline_columns_are_the_allreduce_jobs(studies, tmp_path):
+def test_resnet50_scaling_baseline_columns_are_the_allreduce_jobs(studies):
     """The study runs no allreduce jobs: every DSGD job carries allreduce's figures at its
     ranks and batch. Running allreduce itself (the same experiment, algorithm and topology
     replaced on the command line) gives those same figures, and the one-machine point too."""
     points = by_point(studies("resnet50_scaling").summaries)
-    sweep = run_sweep(tmp_path, "resnet50_scaling", "algorithm=allreduce", "topology=exp2",
-                      "ranks=8,16,128", "batch_size=32", "report=false")
+    sweep = studies("resnet50_allreduce")  # resnet50_scaling with RESNET50_ALLREDUCE's values
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     assert sorted(s["ranks"] for s in sweep.summaries) == [8, 16, 128]
     for s in sweep.summaries:
