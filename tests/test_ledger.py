@@ -18,6 +18,7 @@ import pytest
 
 from bfexp import costmodel, scaling
 from bfexp.ledger import Ledger, Prices
+from tests.cli_in_process import calls
 from tests.conftest import run_bfexp
 
 CLUSTER = costmodel.Cluster("two-by-four", 4, costmodel.Link(2e-6, 100e9), costmodel.Link(3e-5, 1.25e9),
@@ -91,39 +92,91 @@ def test_an_unknown_cluster_is_refused_in_one_line(tmp_path):
     assert "scaling=ethernet_1t; allowed: " in proc.stderr and "h100_cluster" in proc.stderr
 
 
+JOB = ["ranks=8", "steps=24", "log_every=4", "baseline_steps=0", "report=false", "logger=jsonl",
+       "scaling.reference_steps=1"]
+
+
+def read_job(folder) -> tuple[dict, list[dict]]:
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((folder / "summary.json").read_text()), records
+
+
 def job(tmp_path, name: str, *args: str) -> tuple[dict, list[dict]]:
-    proc = run_bfexp(["ranks=8", "steps=24", "log_every=4", "baseline_steps=0", "report=false", "logger=jsonl",
-                      "scaling.reference_steps=1", f"hydra.run.dir={name}", *args], tmp_path, timeout=300)
+    proc = run_bfexp([*JOB, f"hydra.run.dir={name}", *args], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((tmp_path / name / "summary.json").read_text()), records
+    return read_job(tmp_path / name)
+
+
+RECORDED = ("engine=stacked", "topology=one_peer_exp2")  # test_a_recorded_run_repriced_on_a_cluster_gives_...
+# The jobs on virtual or stacked ranks below, each in a folder (named by its key) of its own: one interpreter runs
+# them all, one after another (tests/cli_in_process.py), and the tests read their folders. {folder: job's args}
+IN_PROCESS: dict[str, list[str]] = {
+    **{f"every_step/{engine}-{algorithm}": [f"engine={engine}", f"algorithm={algorithm}", "scaling=ethernet_10g",
+                                            "topology=exp2"]
+       for engine, algorithm in (("threads", "dsgd"), ("stacked", "dsgd"), ("stacked", "gradient_tracking"))},
+    "compressed": ["engine=threads", "algorithm=choco_sgd", "scaling=ethernet_10g", "topology=exp2"],
+    **{f"recorded/{cluster}/{algorithm}": [*RECORDED, f"algorithm={algorithm}", f"scaling={cluster}"]
+       for cluster in ("ethernet_10g", "h100_cluster") for algorithm in ("allreduce", "dsgd")},
+    **{f"same_steps/{engine}": [f"engine={engine}", "topology=one_peer_exp2", "scaling=ethernet_10g"]
+       for engine in ("threads", "stacked")},
+    "network": ["engine=threads", "algorithm=dsgd", "topology=exp2", "scaling.straggler_wait=true",
+                "scaling.ranks_per_machine=4", "scaling.reference_steps=8", "scaling.reference=fresh"],
+}
+
+
+# test_a_resumed_job_prices_on_from_its_checkpoint's two command lines, in turn in one folder ("resume")
+RESUME = ["scaling=ethernet_10g", "ranks=4", "engine=threads", "steps=40", "checkpoint_every=20", "baseline_steps=0",
+          "report=false", "logger=jsonl", "scaling.reference_steps=1"]
+RESUMED = {"resume/failed": [*RESUME, "fail_rank=1", "fail_step=30", "hydra.run.dir=run"],
+           "resume/resumed": ["resume=run", "fail_rank=null"]}
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    """{IN_PROCESS's folder name: the job's folder}, every job finished; and under "resume" the folder RESUMED's
+    command lines ran in, under RESUMED's names what calls gave for each."""
+    root = tmp_path_factory.mktemp("ledger")
+    cases = [{"id": name, "folder": str(root / name), "args": [*JOB, "hydra.run.dir=.", *args]}
+             for name, args in IN_PROCESS.items()]
+    cases += [{"id": name, "folder": str(root / "resume"), "args": args} for name, args in RESUMED.items()]
+    got = calls(cases, timeout=900)
+    for name in IN_PROCESS:
+        g = got[name]
+        assert g["code"] == 0 and g["escaped"] is None, (name, g["escaped"], g["stderr"][-3000:])
+    return {**{name: root / name for name in IN_PROCESS}, "resume": root / "resume",
+            **{name: got[name] for name in RESUMED}}
 
 
 @pytest.mark.parametrize("engine, algorithm", [("threads", "dsgd"), ("stacked", "dsgd"),
                                                ("stacked", "gradient_tracking"), ("mpi", "exact_diffusion")])
-def test_every_step_is_priced_as_the_summary_prices_the_job(tmp_path, engine, algorithm):
+def test_every_step_is_priced_as_the_summary_prices_the_job(tmp_path, engine, algorithm, request):
     """On ethernet_10g (every rank its own machine) a synchronous rule's records carry modeled time that grows
     by the summary's modeled step time each step, that figure priced from the algorithm's stated traffic
     (Traffic: a model's vectors) and the ledger's from the bytes the engine was handed: two routes to one
-    number."""
-    summary, records = job(tmp_path, "run", f"engine={engine}", f"algorithm={algorithm}", "scaling=ethernet_10g",
-                           "topology=exp2")
+    number. The virtual and stacked ranks' jobs are IN_PROCESS's; the MPI job runs on 4 process ranks (each a
+    process to start; the pricing is the same at any ranks)."""
+    if engine == "mpi":
+        summary, records = job(tmp_path, "run", f"engine={engine}", f"algorithm={algorithm}",
+                               "scaling=ethernet_10g", "topology=exp2", "ranks=4")
+        assert summary["ranks"] == 4
+    else:
+        summary, records = read_job(request.getfixturevalue("in_process")[f"every_step/{engine}-{algorithm}"])
+        assert summary["engine"] == engine and summary["algorithm"] == algorithm and summary["ranks"] == 8
     step_s = summary["modeled"]["step_time_s"]
     assert summary["modeled_cluster"] == "ethernet_10g"
     assert [r["modeled_time_s"] for r in records] == pytest.approx([r["step"] * step_s for r in records], rel=1e-9)
     assert summary["modeled_train_time_s"] == pytest.approx(24 * step_s, rel=1e-9)
 
 
-def test_a_compressed_exchange_is_priced_on_the_payload_that_travelled(tmp_path):
+def test_a_compressed_exchange_is_priced_on_the_payload_that_travelled(in_process):
     """CHOCO-SGD with top-k at 1% of logistic regression's 66 parameters sends one element (k rounds up: 4
     bytes of value, 4 of index) to each of exp2's 3 peers, and each receiver rebuilds the dense 264 bytes
     before adding them: the step is that exchange priced by hand (no overlap: CHOCO's exchange waits for
     the update). The summary's traffic prices 0.66 of an element (the ratio, not the payload)."""
     from bfexp.topology import Exp2
 
-    summary, records = job(tmp_path, "run", "engine=threads", "algorithm=choco_sgd", "scaling=ethernet_10g",
-                           "topology=exp2")
-    ledger = Ledger.load(tmp_path / "run")
+    summary, records = read_job(in_process["compressed"])  # choco_sgd on 8 virtual ranks over exp2
+    ledger = Ledger.load(in_process["compressed"])
     assert [[op[:2] for op in sig] for sig in ledger.signatures] == [[("neighbor_allgather", 8.0)]]
     node = scaling_node("ethernet_10g")
     compute = 32 / scaling.rank_speed(node, "logreg", ledger.facts["forward_flop_per_sample"])[0]
@@ -133,22 +186,19 @@ def test_a_compressed_exchange_is_priced_on_the_payload_that_travelled(tmp_path)
     assert records[-1]["modeled_time_s"] / 24 != pytest.approx(summary["modeled"]["step_time_s"], rel=1e-6)
 
 
-def test_a_recorded_run_repriced_on_a_cluster_gives_what_running_there_gives(tmp_path):
+def test_a_recorded_run_repriced_on_a_cluster_gives_what_running_there_gives(in_process):
     """A sweep of allreduce and one-peer DSGD recorded on ethernet_10g, repriced by ``bfexp-report --cluster``
     on h100_cluster and on ethernet_10g itself: the same numbers as the run's own records (1e-9), and as the
     same jobs run with scaling=h100_cluster. Time to the allreduce job's final accuracy and the speedup there
     are figures of the repriced times."""
-    common = ["engine=stacked", "topology=one_peer_exp2"]
-    runs = {}
-    for cluster in ("ethernet_10g", "h100_cluster"):
-        for algorithm in ("allreduce", "dsgd"):
-            runs[cluster, algorithm] = job(tmp_path, f"{cluster}/{algorithm}", *common, f"algorithm={algorithm}",
-                                           f"scaling={cluster}")
+    runs = {(cluster, algorithm): read_job(in_process[f"recorded/{cluster}/{algorithm}"])  # RECORDED's jobs
+            for cluster in ("ethernet_10g", "h100_cluster") for algorithm in ("allreduce", "dsgd")}
+    recorded = in_process["recorded/ethernet_10g/dsgd"].parent
     proc = subprocess.run([sys.executable, "-m", "bfexp.report", "ethernet_10g", "--cluster",
-                           "h100_cluster,ethernet_10g", "--no-plots"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
+                           "h100_cluster,ethernet_10g", "--no-plots"], cwd=recorded.parent, capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
-    rows = {r["algorithm"]: r for r in csv.DictReader((tmp_path / "ethernet_10g" / "report.csv").open())}
+    rows = {r["algorithm"]: r for r in csv.DictReader((recorded / "report.csv").open())}
     for algorithm in ("allreduce", "dsgd"):
         own, there = runs["ethernet_10g", algorithm][0], runs["h100_cluster", algorithm][0]
         repriced = {c: float(rows[algorithm][f"modeled_train_time_s@{c}"]) for c in ("ethernet_10g", "h100_cluster")}
@@ -166,16 +216,15 @@ def test_a_recorded_run_repriced_on_a_cluster_gives_what_running_there_gives(tmp
     assert float(base["time_to_target_accuracy_s@h100_cluster"]) == pytest.approx(there[first]["modeled_time_s"],
                                                                                    rel=1e-9)
     assert float(base["speedup_at_target_accuracy@h100_cluster"]) == 1.0
-    assert (tmp_path / "ethernet_10g" / "allreduce" / "operations.json").is_file()
+    assert (recorded / "allreduce" / "operations.json").is_file()
 
 
-def test_the_stacked_and_the_threads_engines_record_the_same_steps(tmp_path):
+def test_the_stacked_and_the_threads_engines_record_the_same_steps(in_process):
     """Two engines, one job (one-peer exp2 changes its graph every step): the same ledger up to the graphs'
     order of discovery, so the same modeled time."""
     ledgers = {}
-    for engine in ("threads", "stacked"):
-        job(tmp_path, engine, f"engine={engine}", "topology=one_peer_exp2", "scaling=ethernet_10g")
-        ledgers[engine] = Ledger.load(tmp_path / engine)
+    for engine in ("threads", "stacked"):  # IN_PROCESS's same_steps/ jobs
+        ledgers[engine] = Ledger.load(in_process[f"same_steps/{engine}"])
     node = {**json.loads(json.dumps(scaling_node("ethernet_10g")))}
     times = [Prices.on(node, ledgers[e].facts).cumulative(ledgers[e]) for e in ("threads", "stacked")]
     assert len(ledgers["threads"].signatures) == 3  # log2(8) rounds of one peer each
@@ -188,21 +237,19 @@ def scaling_node(name: str) -> dict:
     return option_node("scaling", name)
 
 
-def test_a_resumed_job_prices_on_from_its_checkpoint(tmp_path):
+def test_a_resumed_job_prices_on_from_its_checkpoint(in_process):
     """A job that failed at step 30 of 40 (checkpoint at 20) and was resumed: its ledger comes back from the
     checkpoint, so the records price all 40 steps as one uninterrupted job does, in one run of one signature."""
-    common = ["scaling=ethernet_10g", "ranks=4", "engine=threads", "steps=40", "checkpoint_every=20",
-              "baseline_steps=0", "report=false", "logger=jsonl", "scaling.reference_steps=1"]
-    failed = run_bfexp([*common, "fail_rank=1", "fail_step=30", "hydra.run.dir=run"], tmp_path, timeout=300)
-    assert failed.returncode != 0
-    resumed = run_bfexp(["resume=run", "fail_rank=null"], tmp_path, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    failed, resumed = in_process["resume/failed"], in_process["resume/resumed"]  # RESUMED's, in turn
+    assert failed["code"] != 0 and failed["escaped"] is None, failed
+    assert resumed["code"] == 0 and resumed["escaped"] is None, (resumed["escaped"], resumed["stderr"][-2000:])
+    run = in_process["resume"] / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step_s = summary["modeled"]["step_time_s"]
     assert [r["step"] for r in records] == [10, 20, 30, 40]
     assert [r["modeled_time_s"] for r in records] == pytest.approx([r["step"] * step_s for r in records], rel=1e-9)
-    assert Ledger.load(tmp_path / "run").runs == [[0, 40]]
+    assert Ledger.load(run).runs == [[0, 40]]
 
 
 @pytest.mark.parametrize("args, says", [(["--cluster", "ethernet_10g", "--bandwidths", "ten"], "--bandwidths ten; allowed: "),
@@ -243,7 +290,7 @@ def test_an_operations_file_is_priced_no_further_than_its_records_and_checked_be
             Ledger.from_json(data)
 
 
-def test_a_job_over_a_network_is_priced_on_its_own_cluster_as_its_summary_prices_it(tmp_path):
+def test_a_job_over_a_network_is_priced_on_its_own_cluster_as_its_summary_prices_it(in_process):
     """A job that ran between machines with its compute measured (the emulated cluster's, a Slurm
     allocation's: no declared speed, so its records carry no modeled time) is priced by the report on the
     cluster it ran on: the measured compute, the exchanges its ledger recorded and the wait for the slowest
@@ -252,14 +299,13 @@ def test_a_job_over_a_network_is_priced_on_its_own_cluster_as_its_summary_prices
     (this machine has one). On one machine nothing is added."""
     from bfexp import report
 
-    summary, records = job(tmp_path, "run", "engine=threads", "algorithm=dsgd", "topology=exp2",
-                           "scaling.straggler_wait=true", "scaling.ranks_per_machine=4", "scaling.reference_steps=8",
-                           "scaling.reference=fresh")
+    run = in_process["network"]  # dsgd over exp2 on virtual ranks, straggler_wait, 4 ranks a machine, fresh reference
+    summary, records = read_job(run)
     assert "modeled_time_s" not in records[0] and summary["modeled"]["compute_source"] == "measured here"
-    assert report.collect(tmp_path / "run")[0].modeled == {}  # one machine: its measured time is the answer
+    assert report.collect(run)[0].modeled == {}  # one machine: its measured time is the answer
     summary["run_machines"] = 2
-    (tmp_path / "run" / "summary.json").write_text(json.dumps(summary))
-    [repriced] = report.collect(tmp_path / "run")
+    (run / "summary.json").write_text(json.dumps(summary))
+    [repriced] = report.collect(run)
     step_s = summary["modeled"]["step_time_s"]
     assert summary["modeled"]["wait_time_s"] > 0 and summary["modeled"]["machines"] == 2
     assert repriced.modeled["local"] == pytest.approx([r["step"] * step_s for r in records], rel=1e-9)
