@@ -847,12 +847,13 @@ def _hydra_entry() -> None:
     import hydra
 
     from bfexp.config import register_configs
-    from bfexp.hydra_internals import known_mode
+    from bfexp.hydra_internals import known_mode, sweep_points_composed_once
     from hydra_plugins.bfexp_slurm_launcher.launcher import register_plugin
 
     register_configs()
     register_plugin()
-    with known_mode(sys.argv[1:]):  # Hydra would compose the configuration one more time only to learn it
+    # Hydra would compose the configuration one more time only to learn the mode, and each sweep point three times
+    with known_mode(sys.argv[1:]), sweep_points_composed_once():
         hydra.main(version_base=None, config_path="pkg://bfexp.conf", config_name="config")(run_job)()
 
 

@@ -1,11 +1,14 @@
 """bfexp.hydra_internals: Hydra still asks ``Hydra.get_mode`` before it runs a command line, and the mode
 read from the command line is the one Hydra's own composition finds, for every command line where it
 answers (bfexp's configuration, every experiment of it, ``hydra.mode`` overrides), and it leaves the rest
-to Hydra (another configuration searched, a ``hydra/`` group chosen)."""
+to Hydra (another configuration searched, a ``hydra/`` group chosen). A sweep composes each point once, and
+what each caller gets is what a fresh composition gives."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 
 import pytest
 from hydra import initialize_config_module
@@ -15,8 +18,8 @@ from hydra.core.global_hydra import GlobalHydra
 
 from bfexp.cli import group_options
 from bfexp.config import register_configs
-from bfexp.hydra_internals import known_mode, mode_from_arguments
-from tests.cli_in_process import call
+from bfexp.hydra_internals import known_mode, mode_from_arguments, sweep_points_composed_once
+from tests.cli_in_process import call, compose_only
 
 ANSWERED = [[], ["lr=0.1", "steps=1,2"], ["hydra.mode=MULTIRUN"], ["hydra.mode=RUN", "seed=3"],
             ["hydra.mode=MULTIRUN", "hydra.mode=RUN"], ["hydra.mode=null"], ["hydra.run.dir=x"]]
@@ -66,3 +69,68 @@ def test_hydra_mode_multirun_on_the_command_line_still_sweeps(tmp_path, monkeypa
     got = call(["hydra.mode=MULTIRUN", "lr=0.1,-1", "steps=1"])
     assert got["code"] == 2 and "sweep point lr=-1" in got["stderr"], got
     assert got["escaped"] is None
+
+
+def test_a_sweep_composes_each_point_once_and_each_caller_gets_a_fresh_copy(tmp_path, monkeypatch):
+    """Three points: the sweeper's check, bfexp's check of every point and the launcher each asked for each
+    point (nine compositions); now three, and each job's config is the one a fresh composition gives."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    monkeypatch.chdir(tmp_path)
+    composing, counted = ConfigLoaderImpl.load_configuration, []
+
+    def load_configuration(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
+        counted.append(list(overrides))
+        return composing(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", load_configuration)
+    jobs = compose_only()
+    monkeypatch.setattr("bfexp.report.MultirunReport.on_multirun_end", lambda self, config, **kwargs: None)
+    got = call(["-m", "ranks=2,3,4", "lr=0.05"])
+    assert got["code"] == 0 and got["escaped"] is None, got
+    points = [c for c in counted if any(o.startswith("ranks=") and "," not in o for o in c)]
+    assert sorted(points) == [["hydra.mode=MULTIRUN", f"ranks={n}", "lr=0.05"] for n in (2, 3, 4)], counted
+    assert [j["config"]["ranks"] for j in jobs] == [2, 3, 4]
+
+    # Each job's config against a fresh composition of its point (no memo): equal.
+    monkeypatch.setattr("bfexp.hydra_internals.sweep_points_composed_once", _nothing)
+    got = call(["-m", "ranks=2,3,4", "lr=0.05"])
+    assert got["code"] == 0, got
+    fresh = jobs[3:]
+    assert len(fresh) == 3
+    for once, again in zip(jobs[:3], fresh):
+        assert json.dumps(once["config"], sort_keys=True) == json.dumps(again["config"], sort_keys=True)
+        assert once["task"] == again["task"] and once["choices"] == again["choices"]
+
+
+def test_each_caller_owns_its_copy_of_a_point():
+    """The launcher writes the job's number into the config it gets: a later caller sees none of it."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from omegaconf import OmegaConf
+
+    calls = []
+
+    def compose(self, master, overrides):
+        calls.append(overrides)
+        return OmegaConf.create({"point": list(overrides), "hydra": {"job": {"num": 0}}})
+
+    original = ConfigLoaderImpl.load_sweep_config
+    ConfigLoaderImpl.load_sweep_config = compose
+    try:
+        master = OmegaConf.create({})
+        with sweep_points_composed_once():
+            first = ConfigLoaderImpl.load_sweep_config(None, master, ["a=1"])
+            first.hydra.job.num = 7
+            second = ConfigLoaderImpl.load_sweep_config(None, master, ["a=1"])
+            other = ConfigLoaderImpl.load_sweep_config(None, OmegaConf.create({}), ["a=1"])
+        assert second.hydra.job.num == 0 and second is not first
+        assert calls == [["a=1"], ["a=1"]]  # the same point of another sweep is composed again
+        assert other.point == ["a=1"]
+        assert ConfigLoaderImpl.load_sweep_config is compose  # restored on leaving
+    finally:
+        ConfigLoaderImpl.load_sweep_config = original
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
