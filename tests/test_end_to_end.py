@@ -1,12 +1,20 @@
-"""Whole jobs through the real CLI and real MPI ranks."""
+"""Whole jobs through the real CLI and real MPI ranks.
+
+The jobs that need no signal run in one interpreter (tests/cli_in_process.py: `calls`, each in a folder of
+its own): their ranks are the real ones (MPI processes started by mpiexec; virtual ranks where the claim is
+about training, not processes: the same worker code, bit for bit, tests/test_threads_equivalence.py) without
+a driver's interpreter and torch start per job.
+"""
 
 import json
+import os
 import signal
 import subprocess
 import time
 
 import pytest
 
+from tests.cli_in_process import calls
 from tests.conftest import BFEXP
 
 SUMMARY_FIELDS = {
@@ -22,11 +30,30 @@ def load_run(run_dir):
     return summary, records
 
 
-def test_default_experiment(bfexp):
+JOBS = {
+    "default": ["hydra.run.dir=run"],
+    **{f"reduces-{a}": [f"algorithm={a}", "engine=threads", "steps=120", "log_every=5", "hydra.run.dir=run"]
+       for a in ("dsgd", "allreduce")},
+    "failing-rank": ["ranks=2", "fail_rank=1", "fail_step=20", "steps=1000000", "log_every=5", "hydra.run.dir=run"],
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """JOBS through the CLI in one interpreter: {name: (its folder, its outcome)}."""
+    root = tmp_path_factory.mktemp("jobs")
+    env = dict(os.environ)
+    env.pop("BFEXP_DEBUG", None)
+    got = calls([{"id": name, "folder": str(root / name), "args": args} for name, args in JOBS.items()],
+                timeout=400, env=env)
+    return {name: (root / name, got[name]) for name in JOBS}
+
+
+def test_default_experiment(jobs):
     """No overrides: DSGD (atc) on exp2, 4 MPI ranks, synthetic non-iid logistic regression."""
-    proc = bfexp("hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr
-    run = bfexp.cwd / "run"
+    cwd, proc = jobs["default"]
+    assert proc["code"] == 0 and proc["escaped"] is None, proc["stderr"] + (proc["escaped"] or "")
+    run = cwd / "run"
     summary, records = load_run(run)
     assert SUMMARY_FIELDS <= set(summary)
     assert (summary["algorithm"], summary["topology"], summary["ranks"], summary["engine"]) == ("dsgd", "exp2", 4, "mpi")
@@ -34,23 +61,23 @@ def test_default_experiment(bfexp):
     assert all(RECORD_FIELDS <= set(r) for r in records)
     assert records[-1]["step"] == summary["steps"] == 200
     assert sorted((run / "logs").glob("rank*.log")) and (run / "config.yaml").exists()
-    assert "completed" in proc.stdout  # the summary table
+    assert "completed" in proc["stdout"]  # the summary table
 
 
 @pytest.mark.parametrize("algorithm", ["dsgd", "allreduce"])
-def test_training_reduces_loss(bfexp, algorithm):
-    proc = bfexp(f"algorithm={algorithm}", "steps=120", "log_every=5", "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr
-    summary, records = load_run(bfexp.cwd / "run")
+def test_training_reduces_loss(jobs, algorithm):
+    cwd, proc = jobs[f"reduces-{algorithm}"]
+    assert proc["code"] == 0 and proc["escaped"] is None, proc["stderr"] + (proc["escaped"] or "")
+    summary, records = load_run(cwd / "run")
     first = records[0]["eval_loss"]
     assert summary["final_eval_loss"] < 0.9 * first
     assert summary["final_accuracy"] > 0.7
 
 
-def test_failing_rank_fails_the_job_fast(bfexp):
-    proc = bfexp("fail_rank=1", "fail_step=20", "steps=1000000", "log_every=5", "hydra.run.dir=run", timeout=90)
-    assert proc.returncode != 0
-    summary, records = load_run(bfexp.cwd / "run")
+def test_failing_rank_fails_the_job_fast(jobs):
+    cwd, proc = jobs["failing-rank"]
+    assert proc["code"] != 0 and proc["escaped"] is None, proc["escaped"]
+    summary, records = load_run(cwd / "run")
     assert summary["status"] == "failed"
     assert summary["error"].startswith("rank 1: RuntimeError: injected failure")
     assert records, "metrics logged before the failure are kept"
@@ -58,7 +85,7 @@ def test_failing_rank_fails_the_job_fast(bfexp):
 
 def test_sigterm_ends_every_rank(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(BFEXP + ["steps=100000000", "log_every=1", f"hydra.run.dir={run}"], cwd=tmp_path,
+    proc = subprocess.Popen(BFEXP + ["ranks=2", "steps=100000000", "log_every=1", f"hydra.run.dir={run}"], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
