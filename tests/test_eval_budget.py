@@ -15,9 +15,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 
 from bfexp import results
 from bfexp.progress import print_summary
+from tests.cli_in_process import calls
 
 SMALL = ["engine=threads", "ranks=2", "logger=jsonl", "baseline_steps=0", "scaling.reference_steps=1"]
 EVALUATED = ("eval_loss", "accuracy")
@@ -37,11 +39,35 @@ def evaluated_steps(run: Path) -> list[int]:
     return out
 
 
-def test_eval_every_and_subset_run_small_with_eval_time_apart(bfexp):
-    proc = bfexp(*SMALL, "steps=14", "log_every=4", "eval_every=6", "eval_subset=50", "--verbose",
-                 "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr
-    run = bfexp.cwd / "run"
+# The jobs below, each in a folder of its own, one after another in one interpreter (tests/cli_in_process.py).
+JOBS = {
+    "subset": [*SMALL, "steps=14", "log_every=4", "eval_every=6", "eval_subset=50", "--verbose", "hydra.run.dir=run"],
+    "budget": ["-m", *SMALL, "steps=12", "log_every=3", "eval_budget=1e-12,1e12", "eval_points=0",
+               "hydra.sweep.dir=sweep", "report=false"],
+    "points": ["-m", *SMALL, "steps=200", "log_every=10", "eval_budget=1e-12", "eval_points=10,3,0",
+               "hydra.sweep.dir=sweep", "report=false"],
+    "loose": [*SMALL, "steps=200", "log_every=10", "eval_budget=1e12", "eval_points=10", "hydra.run.dir=loose",
+              "report=false"],
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """{JOBS's name: (its folder, what calls gave: exit code, stdout's end, stderr)}."""
+    root = tmp_path_factory.mktemp("eval_budget")
+    got = calls([{"id": name, "folder": str(root / name), "args": args} for name, args in JOBS.items()], timeout=600)
+    return {name: (root / name, got[name]) for name in JOBS}
+
+
+def finished(jobs, name):
+    folder, got = jobs[name]
+    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"], got["stderr"][-3000:])
+    return folder, got
+
+
+def test_eval_every_and_subset_run_small_with_eval_time_apart(jobs):
+    folder, proc = finished(jobs, "subset")
+    run = folder / "run"
     # Records at every logged step (4, 8, 12), every evaluation (6, 12) and the last step (14).
     assert [r["step"] for r in records(run)] == [4, 6, 8, 12, 14]
     assert evaluated_steps(run) == [6, 12, 14]
@@ -54,33 +80,28 @@ def test_eval_every_and_subset_run_small_with_eval_time_apart(bfexp):
     assert summary["eval_time_s"] > 0 and summary["train_time_s"] > 0
     assert summary["final_accuracy"] == records(run)[-1]["accuracy"]
     # The job's table shows both times; --verbose, where the wall time went.
-    assert "training time (s)" in proc.stdout and "evaluation time (s)" in proc.stdout
-    assert "where the wall time went" in proc.stdout and "dry build" in proc.stdout
+    assert "training time (s)" in proc["stdout"] and "evaluation time (s)" in proc["stdout"]
+    assert "where the wall time went" in proc["stdout"] and "dry build" in proc["stdout"]
 
 
-def test_budget_spaces_evaluations_in_multiples_of_log_every(bfexp):
+def test_budget_spaces_evaluations_in_multiples_of_log_every(jobs):
     # A budget nothing fits: the first logged step measures, then only the last evaluates.
     # A budget everything fits: every logged step evaluates.
-    proc = bfexp("-m", *SMALL, "steps=12", "log_every=3", "eval_budget=1e-12,1e12", "eval_points=0",
-                 "hydra.sweep.dir=sweep", "report=false")
-    assert proc.returncode == 0, proc.stderr
+    folder = finished(jobs, "budget")[0]
     runs = {json.loads((p / results.SUMMARY).read_text())["eval_every"]: p
-            for p in (bfexp.cwd / "sweep").iterdir() if (p / results.SUMMARY).exists()}
+            for p in (folder / "sweep").iterdir() if (p / results.SUMMARY).exists()}
     assert len(runs) == 2, runs
     tight, loose = runs[max(runs)], runs[min(runs)]
     assert evaluated_steps(tight) == [3, 12] and max(runs) % 3 == 0 and max(runs) > 12
     assert evaluated_steps(loose) == [3, 6, 9, 12] and min(runs) == 3
 
 
-def test_a_run_evaluates_often_enough_for_a_curve_by_default(bfexp):
+def test_a_run_evaluates_often_enough_for_a_curve_by_default(jobs):
     """eval_points (10 by default) evenly spaced in multiples of log_every, where the budget would give fewer:
     200 steps logged every 10 evaluate every floor(200 / (10 x 10)) x 10 = 20 steps, plus the first logged step;
     eval_points=3 every floor(200 / 30) = 6 logs, 60 steps; a budget that allows more keeps its own spacing."""
-    proc = bfexp("-m", *SMALL, "steps=200", "log_every=10", "eval_budget=1e-12", "eval_points=10,3,0",
-                 "hydra.sweep.dir=sweep", "report=false")
-    assert proc.returncode == 0, proc.stderr
     by_points = {}
-    for run in (bfexp.cwd / "sweep").iterdir():
+    for run in (finished(jobs, "points")[0] / "sweep").iterdir():
         if (run / results.SUMMARY).exists():
             points = int(next(o for o in (run / ".hydra" / "overrides.yaml").read_text().split()
                               if o.startswith("eval_points=")).split("=")[1])
@@ -88,10 +109,7 @@ def test_a_run_evaluates_often_enough_for_a_curve_by_default(bfexp):
     assert by_points[10] == [10, *range(20, 201, 20)]
     assert by_points[3] == [10, 60, 120, 180, 200]
     assert by_points[0] == [10, 200]  # the budget alone: nothing fits but the first logged step and the last
-    proc = bfexp(*SMALL, "steps=200", "log_every=10", "eval_budget=1e12", "eval_points=10", "hydra.run.dir=loose",
-                 "report=false")
-    assert proc.returncode == 0, proc.stderr
-    assert evaluated_steps(bfexp.cwd / "loose") == list(range(10, 201, 10))
+    assert evaluated_steps(finished(jobs, "loose")[0] / "loose") == list(range(10, 201, 10))
 
 
 def test_the_job_table_shows_training_and_evaluation_time(capsys):
