@@ -84,7 +84,7 @@ for case in json.loads(sys.argv[1]):
     folder.mkdir(parents=True, exist_ok=True)
     os.chdir(folder)
     got = call(case["args"])
-    out[case["id"]] = {**got, "stdout": got["stdout"][-2000:],
+    out[case["id"]] = {**got, "stdout": got["stdout"] if case.get("whole_stdout") else got["stdout"][-2000:],
                        "summaries": {str(p.relative_to(folder)): json.loads(p.read_text())
                                      for p in sorted(folder.glob("**/summary.json"))}}
 print(json.dumps(out))
@@ -94,7 +94,8 @@ print(json.dumps(out))
 def calls(cases: list[dict[str, Any]], timeout: float, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """``bfexp`` command lines one after another in one fresh interpreter: each case ({"id", "folder", "args"})
     runs in its folder (made here unless the caller prepared it; cases may share one, in turn); {id: exit code,
-    stdout's end, stderr, escaped traceback, and {path under the folder: summary} of every summary.json it left}."""
+    stdout's end (all of it where the case says "whole_stdout": true), stderr, escaped traceback, and {path under
+    the folder: summary} of every summary.json it left}."""
     import json
     import subprocess
     import sys

@@ -4,7 +4,7 @@ import importlib.util
 import io
 import os
 import struct
-import subprocess
+import sys
 
 import pytest
 from rich.console import Console
@@ -12,10 +12,44 @@ from rich.console import Console
 from bfexp import progress
 from bfexp.cli import group_options
 from bfexp.progress import ConsoleProgress
-from tests.conftest import BFEXP
+from tests.cli_in_process import call, calls
 
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+# The jobs below that track (each in a folder of its own), one after another in one interpreter
+# (tests/cli_in_process.py), $WANDB_MODE unset (the default mode is what they check): {name: (needs, args)}.
+JOBS = {
+    "wandb_sweep": (HAS_WANDB, ["-m", "ranks=1", "steps=4", "log_every=2", "logger=wandb", "report=false",
+                                "engine=threads", "hydra.sweep.dir=sweep"]),
+    "tensorboard": (HAS_TENSORBOARD, ["ranks=2", "steps=6", "log_every=2", "logger=tensorboard", "engine=threads",
+                                      "hydra.run.dir=run"]),
+    # run/tensorboard a file before the job starts (made by the fixture)
+    "tensorboard_file": (HAS_TENSORBOARD, ["ranks=2", "steps=4", "logger=tensorboard", "engine=threads",
+                                           "baseline_steps=0", "hydra.run.dir=run"]),
+    "several": (HAS_WANDB and HAS_TENSORBOARD,
+                ["logger=[wandb,tensorboard]", "logger.project=mine", "logger.progress=false", "ranks=2", "steps=4",
+                 "log_every=2", "engine=threads", "baseline_steps=0", "hydra.run.dir=run"]),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """{JOBS's name: (its folder, what calls gave: exit code, all its stdout, stderr)} for those whose packages
+    are installed."""
+    root = tmp_path_factory.mktemp("loggers")
+    (root / "tensorboard_file" / "run").mkdir(parents=True)
+    (root / "tensorboard_file" / "run" / "tensorboard").write_text("mine\n")
+    cases = [{"id": name, "folder": str(root / name), "args": args, "whole_stdout": True}
+             for name, (needs, args) in JOBS.items() if needs]
+    got = calls(cases, timeout=600, env={k: v for k, v in os.environ.items() if k != "WANDB_MODE"})
+    return {name: (root / name, got[name]) for name in got}
+
+
+def finished(jobs, name):
+    folder, got = jobs[name]
+    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"], got["stderr"][-3000:])
+    return folder, got
 
 
 def test_plain_progress_lines_with_eta(monkeypatch):
@@ -53,16 +87,14 @@ def test_no_progress_when_disabled(monkeypatch):
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])
-def test_tracker_missing_exits_2_with_the_install_command(tmp_path, package):
-    """Without the package importable (None in sys.modules hides it; find_spec then raises ValueError, so the
-    finder is told it is absent), logger=<package> stops before any rank."""
-    (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text(f"import sys\nsys.modules['{package}'] = None\n")
-    path = os.pathsep.join([str(tmp_path / "hide"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    proc = subprocess.run(BFEXP + [f"logger={package}", "hydra.run.dir=run"], cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+def test_tracker_missing_exits_2_with_the_install_command(tmp_path, monkeypatch, package):
+    """Without the package importable (None in sys.modules hides it; find_spec then says it is absent),
+    logger=<package> stops before any rank. The CLI runs in this interpreter (tests/cli_in_process.py)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, package, None)
+    proc = call([f"logger={package}", "hydra.run.dir=run"])
+    assert proc["code"] == 2 and proc["escaped"] is None, proc
+    assert proc["stderr"].strip().splitlines() == [
         f"bfexp: error: logger={package} needs the {package} package; install it with: pip install 'bfexp[{package}]'"]
     assert not (tmp_path / "run" / "logs").exists(), "no rank was started"
 
@@ -95,13 +127,9 @@ def item_key(item):
 
 
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is an optional extra (pip install 'bfexp[wandb]'); not installed")
-def test_wandb_offline_run_per_job_grouped_by_sweep(bfexp, monkeypatch):
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    engine = "threads" if "threads" in group_options("engine") else "mpi"  # threads: no rank spawn
-    proc = bfexp("-m", "ranks=1", "steps=4", "log_every=2", "logger=wandb", "report=false", f"engine={engine}",
-                 "hydra.sweep.dir=sweep", timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    job = next((bfexp.cwd / "sweep").glob("0_*"))
+def test_wandb_offline_run_per_job_grouped_by_sweep(jobs):
+    assert "threads" in group_options("engine")  # JOBS's wandb_sweep: no rank spawn
+    job = next((finished(jobs, "wandb_sweep")[0] / "sweep").glob("0_*"))
     runs = list((job / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, "one offline run per job, inside the job's folder"
     records = list(wandb_records(next(runs[0].glob("run-*.wandb"))))
@@ -119,16 +147,14 @@ def test_wandb_offline_run_per_job_grouped_by_sweep(bfexp, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is an optional extra (pip install 'bfexp[tensorboard]')")
-def test_tensorboard_event_files_hold_every_record_and_the_summary(bfexp):
+def test_tensorboard_event_files_hold_every_record_and_the_summary(jobs):
     """Read back with TensorBoard's own reader: each metrics.jsonl record's numbers at its step, the summary's
     numbers under summary/, the config as text."""
     import json
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = bfexp("ranks=2", "steps=6", "log_every=2", "logger=tensorboard", "engine=threads", "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr
-    run = bfexp.cwd / "run"
+    run = finished(jobs, "tensorboard")[0] / "run"  # ranks=2 steps=6 log_every=2 engine=threads
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -147,48 +173,45 @@ def test_tensorboard_event_files_hold_every_record_and_the_summary(bfexp):
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])
-def test_a_broken_tracker_install_is_one_line(tmp_path, package):
+def test_a_broken_tracker_install_is_one_line(tmp_path, monkeypatch, package):
     """An installed package whose import raises (a half-upgraded install): one line naming the error and how to
-    reinstall, exit 2, no rank started (it was a traceback of 47-62 lines, issue 44)."""
+    reinstall, exit 2, no rank started (it was a traceback of 47-62 lines, issue 44). The CLI runs in this
+    interpreter (tests/cli_in_process.py), the broken package first on its path and the real one not imported."""
     (tmp_path / "broken" / package).mkdir(parents=True)
     (tmp_path / "broken" / package / "__init__.py").write_text("raise RuntimeError('half of an upgrade')\n")
-    path = os.pathsep.join([str(tmp_path / "broken"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    proc = subprocess.run(BFEXP + [f"logger={package}", "hydra.run.dir=run"], cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "broken"))
+    monkeypatch.delitem(sys.modules, package, raising=False)
+    proc = call([f"logger={package}", "hydra.run.dir=run"])
+    assert proc["code"] == 2 and proc["escaped"] is None, proc
+    assert proc["stderr"].strip().splitlines() == [
         f"bfexp: error: logger={package}: the {package} package is installed but does not import (RuntimeError: half "
         f"of an upgrade); allowed: reinstall it with: pip install 'bfexp[{package}]', or another logger"]
     assert not (tmp_path / "run" / "logs").exists()
 
 
-def test_a_tensorboard_folder_that_is_a_file_costs_the_tracking_not_the_job(bfexp):
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is an optional extra (pip install 'bfexp[tensorboard]')")
+def test_a_tensorboard_folder_that_is_a_file_costs_the_tracking_not_the_job(jobs):
     """run/tensorboard a file (the writer cannot make its folder): one warning line, the job completes."""
     import json
 
-    (bfexp.cwd / "run").mkdir()
-    (bfexp.cwd / "run" / "tensorboard").write_text("mine\n")
-    proc = bfexp("ranks=2", "steps=4", "logger=tensorboard", "engine=threads", "baseline_steps=0",
-                 "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr
-    warnings = [l for l in proc.stderr.splitlines() if "tensorboard did not start" in l]
-    assert len(warnings) == 1 and "the job runs without it" in warnings[0] and "Traceback" not in proc.stderr
-    assert json.loads((bfexp.cwd / "run" / "summary.json").read_text())["status"] == "completed"
-    assert (bfexp.cwd / "run" / "tensorboard").read_text() == "mine\n"
+    folder, proc = finished(jobs, "tensorboard_file")  # JOBS's, its run/tensorboard a file "mine\n" beforehand
+    warnings = [l for l in proc["stderr"].splitlines() if "tensorboard did not start" in l]
+    assert len(warnings) == 1 and "the job runs without it" in warnings[0] and "Traceback" not in proc["stderr"]
+    assert json.loads((folder / "run" / "summary.json").read_text())["status"] == "completed"
+    assert (folder / "run" / "tensorboard").read_text() == "mine\n"
 
 
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is an optional extra (pip install 'bfexp[wandb]'); not installed")
-def test_several_loggers_at_once(bfexp):
+def test_several_loggers_at_once(jobs):
     """logger=[wandb,tensorboard] (Hydra's list of a group's options): both trackers receive the job, each from its
     own option's node; logger.project=x reaches wandb, logger.progress=false both."""
     import json
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = bfexp("logger=[wandb,tensorboard]", "logger.project=mine", "logger.progress=false", "ranks=2", "steps=4",
-                 "log_every=2", "engine=threads", "baseline_steps=0", "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr
-    run = bfexp.cwd / "run"
+    folder, proc = finished(jobs, "several")  # JOBS's: logger=[wandb,tensorboard] logger.project=mine ...
+    run = folder / "run"
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0}).Reload()
     assert [e.step for e in events.Scalars("loss")] == [2, 4]
     offline = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -201,5 +224,5 @@ def test_several_loggers_at_once(bfexp):
     assert list(logger.loggers) == ["wandb", "tensorboard"]
     assert logger.options.wandb == {"project": "mine", "progress": False} and logger.options.tensorboard == {
         "progress": False}
-    assert "step 2/4" not in proc.stdout  # progress off in both
+    assert "step 2/4" not in proc["stdout"]  # progress off in both
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
