@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bfexp.cli import GROUPS, group_options
 from tests.cli_in_process import calls
@@ -24,9 +25,11 @@ EXTRA: dict[tuple[str, str], list[str]] = {
     ("topology", "random_regular"): ["topology.degree=1"],
     ("topology", "inner_outer_exp2"): ["engine.ranks_per_machine=1"],
     ("model", "cnn"): ["dataset=digits"],
-    # 25.6M parameters: 16x16 synthetic images, tiny batches, one-step probes, no reference cache.
+    # 25.6M parameters: 16x16 synthetic images, tiny batches, two steps (one log), one-step probes, no
+    # reference cache.
     ("model", "resnet50"): ["dataset.features=768", "dataset.eval_samples=8", "batch_size=4", "lr=0.01",
-                            "baseline_steps=1", "scaling.reference_steps=1", "scaling.reference_cache=null"],
+                            "steps=2", "baseline_steps=1", "scaling.reference_steps=1",
+                            "scaling.reference_cache=null"],
     # A language model needs text, and text a language model: both tiny.
     ("model", "gpt"): ["dataset=text", "dataset.block_size=16", "dataset.eval_samples=8", "model.n_embd=16",
                        "model.n_layer=1", "batch_size=8"],
@@ -84,19 +87,58 @@ def args_for(group: str, option: str) -> list[str]:
     extra = EXTRA.get((group, option), [])
     given = {o.partition("=")[0] for o in extra}
     small = [f"{k}={v}" for k, v in SMALL.items() if k not in given and (group != "scaling" or k == "baseline_steps")]
-    return [f"{group}={option}", "ranks=2", "steps=4", "log_every=2", "hydra.run.dir=run",
+    base = {"ranks": "2", "steps": "4", "log_every": "2", "hydra.run.dir": "run"}
+    return [f"{group}={option}", *(f"{k}={v}" for k, v in base.items() if k not in given),
             *engine_for(group, option), *small, *extra]
+
+
+# The options in conf/config.yaml's defaults: naming one composes the job that leaving it out does.
+DEFAULTS: dict[str, str] = {group: option
+                            for entry in yaml.safe_load((Path(importlib.util.find_spec("bfexp.conf").origin).parent
+                                                         / "config.yaml").read_text())["defaults"]
+                            if isinstance(entry, dict) for group, option in entry.items()}
+# Options run in the job of another option rather than in one of their own (each of them would be a job of MPI
+# processes that starts an interpreter and torch per rank): engine=mpi's job is launcher=mpirun's with engine=mpi
+# named; engine=auto's (launcher=local's: the same job) is algorithm=ddp's, which runs on engine=auto's choice
+# under the local launcher anyway. The default algorithm on engine=auto under launcher=local is every default job
+# of the other tests.
+RUN_WITH: dict[tuple[str, str], tuple[str, str]] = {("engine", "mpi"): ("launcher", "mpirun"),
+                                                    ("engine", "auto"): ("algorithm", "ddp"),
+                                                    ("launcher", "local"): ("algorithm", "ddp")}
+
+
+def job_args(group: str, option: str) -> list[str]:
+    """The command line that runs ``group=option``: its own, with the options that run with it (RUN_WITH), or
+    that of the option it runs with."""
+    if (group, option) in RUN_WITH:
+        return job_args(*RUN_WITH[(group, option)])
+    return [*args_for(group, option), *(f"{g}={o}" for (g, o), host in RUN_WITH.items() if host == (group, option))]
+
+
+def job_key(args: list[str]) -> tuple[str, ...]:
+    """What identifies the job a command line composes: its overrides, less any that names a group's default
+    option. Options whose command lines compose the same job share it (e.g. engine=auto's job is launcher=local's,
+    and every default option on threads is the same small job)."""
+    return tuple(sorted(a for a in args if a.partition("=")[0] not in DEFAULTS
+                        or DEFAULTS[a.partition("=")[0]] != a.partition("=")[2]))
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict:
     """Every option that can run here, through the CLI in one interpreter: {id: exit code, output, summary}."""
     root = tmp_path_factory.mktemp("options")
-    cases = [{"id": f"{g}={o}", "args": args_for(g, o), "folder": str(root / f"{g}-{o}")}
-             for g, o in CASES if (g, o) not in UNAVAILABLE]
+    runs: dict[tuple[str, ...], dict] = {}  # one job per distinct job_key, in the folder of its first option
+    of_option: dict[str, tuple[str, ...]] = {}
+    for g, o in CASES:
+        if (g, o) in UNAVAILABLE:
+            continue
+        args = job_args(g, o)
+        key = of_option[f"{g}={o}"] = job_key(args)
+        runs.setdefault(key, {"id": f"{g}={o}", "args": args, "folder": str(root / f"{g}-{o}")})
     env = {k: v for k, v in os.environ.items() if k != "BFEXP_DEBUG"}
-    got = calls(cases, timeout=1200, env=env)
-    return {cid: {**job, "summary": job["summaries"].get("run/summary.json")} for cid, job in got.items()}
+    got = calls(list(runs.values()), timeout=1200, env=env)
+    return {cid: {**got[runs[key]["id"]], "summary": got[runs[key]["id"]]["summaries"].get("run/summary.json")}
+            for cid, key in of_option.items()}
 
 
 @pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
