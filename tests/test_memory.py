@@ -9,7 +9,9 @@ most ranks that fit.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -38,24 +40,43 @@ def test_a_ranks_estimated_memory_is_within_2x_of_what_a_rank_adds_to_the_peak(t
     assert measured > 0 and 0.5 <= estimated / measured <= 2.0, (engine, estimated, measured)
 
 
-@pytest.mark.parametrize("args, kind", [(["ranks=10000000"], "stacked ranks"),
-                                        (["ranks=10000000", "engine=threads"], "virtual ranks"),
-                                        (["-m", "ranks=4,10000000"], "stacked ranks")])
-def test_ranks_no_machine_holds_are_refused_before_they_are_built(tmp_path, args, kind):
-    """Refused in one line naming the largest rank count that fits, by a driver that stayed small (it built no
-    topology of 10**7 ranks: before, the kernel killed it with no message)."""
+REFUSED = {"stacked": ["ranks=10000000"], "threads": ["ranks=10000000", "engine=threads"],
+           "sweep": ["-m", "ranks=4,10000000"]}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """REFUSED's command lines (with steps=2) through the CLI one after another in ONE driver interpreter
+    (tests/cli_in_process.py): {name: what each gave}, and that interpreter's peak (KiB), which bounds each's."""
     import sys
 
+    folder = tmp_path_factory.mktemp("refused")
+    driver = ("import json, sys; from tests.cli_in_process import call; out, cases = sys.argv[1:]; "  # (call sets argv)
+              "got = {k: call([*a, 'steps=2']) for k, a in json.loads(cases).items()}; "
+              "open(out, 'w').write(json.dumps(got))")
     # The driver is started by a small intermediate process that reports its peak: a child's ru_maxrss starts
     # from the size of the process it was forked from, here a pytest worker that may hold 1 GB (CI, stop 49).
-    waiter = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
-              "_, status, usage = os.wait4(p.pid, 0); "
+    waiter = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, "
+              "cwd=os.environ['DRIVER_CWD']); _, status, usage = os.wait4(p.pid, 0); "
               "print(os.waitstatus_to_exitcode(status), usage.ru_maxrss, file=sys.stdout)")
-    proc = subprocess.run([sys.executable, "-c", waiter, *BFEXP, *args, "steps=2"], cwd=tmp_path,
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", waiter, sys.executable, "-c", driver, str(folder / "got.json"),
+                           json.dumps(REFUSED)], cwd=repo, env={**os.environ, "DRIVER_CWD": str(repo)},
                           capture_output=True, text=True, timeout=240)
     code, peak_kib = map(int, proc.stdout.split())
-    lines = proc.stderr.strip().splitlines()
-    assert code == 2 and len(lines) == 1, lines
+    assert code == 0, proc.stderr[-3000:]
+    return json.loads((folder / "got.json").read_text()), peak_kib
+
+
+@pytest.mark.parametrize("name, kind", [("stacked", "stacked ranks"), ("threads", "virtual ranks"),
+                                        ("sweep", "stacked ranks")])
+def test_ranks_no_machine_holds_are_refused_before_they_are_built(refused, name, kind):
+    """Refused in one line naming the largest rank count that fits, by a driver that stayed small (it built no
+    topology of 10**7 ranks: before, the kernel killed it with no message). REFUSED's command lines."""
+    got, peak_kib = refused
+    got = got[name]
+    lines = got["stderr"].strip().splitlines()
+    assert got["code"] == 2 and got["escaped"] is None and len(lines) == 1, got
     assert "ranks=10000000 with engine=" in lines[0] and kind in lines[0] and "allowed: ranks <= " in lines[0]
     assert peak_kib < 1_000_000, f"the driver's peak: {peak_kib} KiB"
 
