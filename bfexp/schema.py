@@ -237,15 +237,18 @@ def register_schema() -> None:
 
     Option schemas live in groups ``schema/<group>`` so they never show up
     as selectable options; each conf/<group>/<option>.yaml pulls its own in
-    with ``- /schema/<group>/<option>@_here_``.
+    with ``- /schema/<group>/<option>@_here_``. Stored once per process: command lines run one after another in
+    one interpreter (tests/cli_in_process.py) would otherwise convert every dataclass again each time.
     """
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="bfexp_schema", node=Config)
+    if "bfexp_schema.yaml" in cs.repo:  # the last to be stored below is there too
+        return
     for group, options in DATA_GROUPS.items():
         for option, node in options.items():
             cs.store(group=f"schema/{group}", name=option, node=node)
+    cs.store(name="bfexp_schema", node=Config)
 
 
 # The component groups of the top level: each component receives its own node, never the whole config.
