@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bfexp.comm.threads import run_threads
+from tests.cli_in_process import calls
 
 RANKS = 64
 STEPS = 6
@@ -91,31 +92,47 @@ ASYNC_RUN = ["engine=threads", "ranks=8", "steps=12", "log_every=4", "eval_every
              "heterogeneity.delay=exponential", "heterogeneity.delay_s=0.005", "scaling.reference_steps=2"]
 
 
-def sweep(bfexp, *args: str) -> list[list[dict]]:
-    """One `bfexp -m` (one process, no report): each job's records, in job order."""
-    proc = bfexp("-m", *args, "report=false", "hydra.sweep.dir=sweep", "hydra.sweep.subdir=${hydra.job.num}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    folders = sorted((bfexp.cwd / "sweep").iterdir(), key=lambda p: p.name)
+# The two sweeps below: each one `bfexp -m` (no report) in a folder of its own, both in one interpreter
+# (tests/cli_in_process.py), one after the other.
+SWEEPS = {
+    "reproducible": ["algorithm=async_push_sum", "topology=one_peer_exp2", *ASYNC_RUN, "scaling.reference=cached,fresh"],
+    "equal_delays": ["algorithm=push_sum,async_push_sum", "topology=one_peer_exp2", "engine=threads", "ranks=8",
+                     "steps=12", "log_every=4", "eval_every=4", "model=mlp", "dataset=digits", "baseline_steps=0",
+                     "scaling.reference_steps=2", "heterogeneity.step_time_s=0.01"],
+}
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweeps")
+    cases = [{"id": name, "folder": str(root / name),
+              "args": ["-m", *args, "report=false", "hydra.sweep.dir=sweep", "hydra.sweep.subdir=${hydra.job.num}"]}
+             for name, args in SWEEPS.items()]
+    return root, calls(cases, timeout=600)
+
+
+def sweep(sweeps, name: str) -> list[list[dict]]:
+    """SWEEPS's sweep NAME: each job's records, in job order."""
+    root, got = sweeps
+    assert got[name]["code"] == 0 and got[name]["escaped"] is None, (got[name]["escaped"], got[name]["stderr"][-3000:])
+    folders = sorted((root / name / "sweep").iterdir(), key=lambda p: p.name)
     return [records(f) for f in folders if (f / "metrics.jsonl").is_file()]
 
 
-def test_async_experiment_on_virtual_ranks_is_reproducible(bfexp):
+def test_async_experiment_on_virtual_ranks_is_reproducible(sweeps):
     """The same asynchronous experiment (async push-sum, a 4x straggler with random delays, 8 virtual
     ranks) twice: identical metrics, simulated time included, whatever the host did meanwhile (the
     second run measures its single-rank reference between training steps, the first may take it from
     the cache)."""
-    runs = sweep(bfexp, "algorithm=async_push_sum", "topology=one_peer_exp2", *ASYNC_RUN,
-                 "scaling.reference=cached,fresh")
+    runs = sweep(sweeps, "reproducible")
     assert len(runs) == 2 and runs[0] == runs[1]
     assert [r["time_source"] for r in runs[0]] == ["simulated"] * 3
 
 
-def test_async_push_sum_with_equal_delays_is_synchronous_push_sum(bfexp):
+def test_async_push_sum_with_equal_delays_is_synchronous_push_sum(sweeps):
     """No stragglers, every step the same simulated time: the asynchronous rule's iterates are the
     synchronous one's (loss, accuracy and consensus distance at every logged step, to rounding)."""
-    sync, asyn = sweep(bfexp, "algorithm=push_sum,async_push_sum", "topology=one_peer_exp2", "engine=threads",
-                       "ranks=8", "steps=12", "log_every=4", "eval_every=4", "model=mlp", "dataset=digits",
-                       "baseline_steps=0", "scaling.reference_steps=2", "heterogeneity.step_time_s=0.01")
+    sync, asyn = sweep(sweeps, "equal_delays")
     assert len(sync) == len(asyn) == 3
     for s, a in zip(sync, asyn):
         for key in ("loss", "eval_loss", "accuracy", "consensus_distance", "time_s"):
