@@ -466,16 +466,15 @@ def test_large_tensors_come_from_the_heap_while_a_stacked_job_runs():
 def test_bytes_per_step_on_a_graph_of_unequal_degrees_is_the_mean_not_floored(tmp_path):
     """A star on 5 ranks: the hub sends to 4, each leaf to 1, so a rank sends (4 + 4x1)/5 = 1.6 messages a step
     on average; stacked ranks report the mean as threads do, not rounded down to whole bytes (issue 44)."""
-    import json
+    from tests.cli_in_process import calls
 
-    from tests.conftest import run_bfexp
-
+    ran = calls([{"id": engine, "folder": str(tmp_path / engine), "args": [
+        "hydra.run.dir=run", f"engine={engine}", "ranks=5", "topology=star", "steps=3", "baseline_steps=0",
+        "report=false", "logger=jsonl"]} for engine in ("threads", "stacked")], timeout=240)  # one interpreter
     got = {}
-    for engine in ("threads", "stacked"):
-        proc = run_bfexp([f"hydra.run.dir={engine}", f"engine={engine}", "ranks=5", "topology=star", "steps=3",
-                          "baseline_steps=0", "report=false", "logger=jsonl"], tmp_path, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        got[engine] = json.loads((tmp_path / engine / "summary.json").read_text())["bytes_sent_per_step"]
+    for engine, job in ran.items():
+        assert job["code"] == 0 and job["escaped"] is None, (job["escaped"], job["stderr"][-2000:])
+        got[engine] = job["summaries"]["run/summary.json"]["bytes_sent_per_step"]
     message = 66 * 4  # the default model's 66 float32 parameters
     assert got["threads"] == pytest.approx(1.6 * message, rel=1e-12)
     assert got["stacked"] == pytest.approx(got["threads"], rel=1e-12)
