@@ -18,8 +18,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from bfexp import results
+from tests.cli_in_process import calls
 from tests.conftest import BFEXP
 
 LONG = ["engine=threads", "ranks=2", "steps=100000000", "logger=jsonl"]
@@ -60,7 +62,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in names}
 
 
-def refused(proc: subprocess.CompletedProcess, pid: int, *words: str) -> None:
+def refused(proc: subprocess.CompletedProcess | SimpleNamespace, pid: int, *words: str) -> None:
     err = proc.stderr.strip()
     assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-2000:]
     assert len(err.splitlines()) == 1 and f"pid {pid} " in err, err
@@ -72,7 +74,6 @@ def test_a_busy_run_folder_is_refused_and_left_alone_then_taken_over_once_its_dr
     run, sweep = tmp_path / "run", tmp_path / "sweep"
     first = start(IDLE + [f"hydra.run.dir={run}"], tmp_path)
     swept = start(["-m"] + IDLE + ["lr=0.1,0.2", f"hydra.sweep.dir={sweep}"], tmp_path)
-    procs: dict[str, subprocess.Popen] = {}
     try:
         wait_for(run / "config.yaml", first)
         wait_for(sweep / "multirun.yaml", swept)
@@ -89,15 +90,18 @@ def test_a_busy_run_folder_is_refused_and_left_alone_then_taken_over_once_its_dr
             "sweep": (swept, ["-m", "engine=threads", "ranks=2", "steps=3", "lr=0.1,0.3", f"hydra.sweep.dir={sweep}"],
                       [f"hydra.sweep.dir={sweep} is in use", f"job {job.name}"]),
         }
-        procs.update({name: start(args, tmp_path, stdout=subprocess.PIPE) for name, (_, args, _) in tries.items()})
-        for name, proc in procs.items():
-            out, err = proc.communicate(timeout=120)
-            refused(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), tries[name][0].pid,
-                    *tries[name][2])
+        # The tries, one after another through the CLI in one interpreter (tests/cli_in_process.py), beside the
+        # two drivers' processes.
+        got = calls([{"id": name, "folder": str(tmp_path / "tries"), "args": args}
+                     for name, (_, args, _) in tries.items()], timeout=240, env=env())
+        for name, proc in got.items():
+            assert proc["escaped"] is None, proc["escaped"]
+            refused(SimpleNamespace(returncode=proc["code"], stdout=proc["stdout"], stderr=proc["stderr"]),
+                    tries[name][0].pid, *tries[name][2])
         assert first.poll() is None and swept.poll() is None
         assert snapshot(run) == before and (sweep / "multirun.yaml").read_bytes() == saved  # nothing touched
-    finally:  # a try that was not refused (today's main) may still run: nothing outlives the test
-        for proc in (first, swept, *procs.values()):
+    finally:  # a try that was not refused (today's main) ran in calls' interpreter, which has ended
+        for proc in (first, swept):
             proc.kill()
             proc.wait()
     # The killed driver's lock is stale: the next driver takes the folder (the CLI's own call).
