@@ -209,9 +209,11 @@ def test_every_algorithm_resumes_bit_for_bit(tmp_path, monkeypatch, option):
     static = target_of(OmegaConf.load(REPO / "conf" / "algorithm" / f"{option}.yaml"), "algorithm").requires.static
     job = [f"algorithm={option}", *options, "engine=threads", "ranks=4", "steps=12", "log_every=3", "checkpoint_every=6",
            "optimizer.momentum=0.9", f"topology={'exp2' if static else 'one_peer_exp2'}", *CHEAP]
-    config = compose(job)  # the straight run's and the resumed run's (the same command line: one compose)
+    config = compose(job)  # every run's: the failing one's differs in its fault-injection keys only
+    failing = copy.deepcopy(config)
+    failing.fail_rank, failing.fail_step = 2, 8
     assert launch(copy.deepcopy(config), tmp_path / "straight").status == "completed"
-    failed = launch(compose(job + ["fail_rank=2", "fail_step=8"]), tmp_path / "resumed")
+    failed = launch(failing, tmp_path / "resumed")
     assert failed.status == "failed" and failed.summary["checkpoint_step"] == 6
     resumed = launch(copy.deepcopy(config), tmp_path / "resumed")
     assert (resumed.status, resumed.summary["resumed_from_step"]) == ("completed", 6)
