@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from bfexp.data import CIFAR10, MNIST, BatchSampler, Dataset, Digits, Synthetic, partition
+from bfexp.data import CIFAR10, MNIST, BatchSampler, Dataset, Digits, Synthetic, digits_table, partition
 from bfexp.errors import ConfigError, DatasetError
 
 
@@ -180,3 +180,22 @@ def test_loaders_and_package_need_no_torchvision():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
     assert not [r for r in requirements if r.startswith("torchvision")], requirements
+
+
+def test_digits_read_from_the_shipped_file_are_scikit_learns_and_import_no_scikit_learn():
+    """The table read from the file scikit-learn ships is what load_digits gives, and reading it imports nothing
+    of scikit-learn (checked in a fresh interpreter: this one may have imported it already)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    pixels, labels = digits_table()
+    bunch = load_digits()
+    assert pixels.shape == (1797, 64) and np.array_equal(pixels, bunch.data)
+    assert labels.dtype == np.int64 and np.array_equal(labels, bunch.target)
+    probe = ("import sys; from bfexp.data import Digits; Digits().arrays(0); "
+             "print(sorted(m for m in sys.modules if m == 'sklearn' or m.startswith('sklearn.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
