@@ -56,8 +56,9 @@ def state(case: dict, opt) -> dict:
     return out
 
 
-def run(cases: list[dict], emit) -> None:
-    engine = MPIEngine()
+def run(cases: list[dict], emit, engine=None) -> None:
+    """Every case on this rank (of ``engine``: the MPI engine by default), lock step; ``emit`` gets the traces."""
+    engine = MPIEngine() if engine is None else engine
     rank = engine.rank
     runs = []
     for case in cases:
@@ -84,3 +85,22 @@ def run(cases: list[dict], emit) -> None:
     for r in runs:
         r["opt"].close()
     emit({r["case"]["key"]: r["trace"] for r in runs})
+
+
+def on_threads(ranks: int, cases: list[dict]) -> list:
+    """``run(cases)`` on ``ranks`` virtual ranks (bfexp's threads engine) in this process: what each rank emitted,
+    by rank, as tests/mpi_helpers.run_ranks returns MPI ranks' (the threads engine trains bit for bit as MPI does:
+    tests/test_threads_equivalence.py). One torch thread, as each MPI rank has."""
+    from bfexp.comm.threads import run_threads
+
+    def rank(engine):
+        emitted = []
+        run(cases, emitted.append, engine)
+        return emitted[0]
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_threads(ranks, rank, timeout=900)
+    finally:
+        torch.set_num_threads(saved)

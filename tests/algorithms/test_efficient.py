@@ -1,8 +1,11 @@
-"""The communication-efficient rules on real MPI ranks against the papers' matrix forms.
+"""The communication-efficient rules on 8 ranks against the papers' matrix forms.
 
 8 ranks, heterogeneous least squares (tests/algorithms/lsq.py), float64,
-full-batch gradients, one spawn of ranks for every case (lsq_ranks.py builds
-each algorithm from its conf/algorithm YAML). Claims:
+full-batch gradients, one world of 8 virtual ranks for every case (bfexp's
+threads engine in this process, lsq_ranks.on_threads; it trains bit for bit as
+MPI does, tests/test_threads_equivalence.py, and every engine operation these
+rules use is checked on both engines against numpy by tests/comm/test_contract.py);
+lsq_ranks.py builds each algorithm from its conf/algorithm YAML. Claims:
 
 * CHOCO-SGD with the identity compressor (gamma = 1) is DSGD adapt-then-combine:
   the numpy matrix form and DSGD's own run, to 1e-12;
@@ -26,10 +29,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.algorithms import configs, lsq
+from tests.algorithms import configs, lsq, lsq_ranks
 from tests.algorithms import lsq_efficient as ref
-from tests.conftest import REPO
-from tests.mpi_helpers import run_ranks
 
 N = lsq.RANKS
 LR = 0.1
@@ -101,11 +102,9 @@ CASES = {c["key"]: c for c in [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{case key: iterates (iterations + 1, ranks, dim)}, one spawn of 8 MPI ranks for all."""
-    cases = list(CASES.values())
-    code = f"from tests.algorithms.lsq_ranks import run\nrun({cases!r}, emit)\n"
-    out = run_ranks(N, code, tmp_path_factory.mktemp("efficient"), timeout=600, env={"PYTHONPATH": str(REPO)})
+def runs():
+    """{case key: iterates (iterations + 1, ranks, dim)}, one world of 8 virtual ranks for all."""
+    out = lsq_ranks.on_threads(N, list(CASES.values()))
     return {key: np.array([[state["x"] for state in rank_out[key]] for rank_out in out]).swapaxes(0, 1)
             for key in CASES}
 

@@ -1,8 +1,12 @@
-"""Every algorithm on real MPI ranks against closed-form optima and the papers' matrix forms.
+"""Every algorithm on 8 ranks against closed-form optima and the papers' matrix forms.
 
 8 ranks, heterogeneous least squares f_i(x) = 1/2 ||A_i x - b_i||^2, float64,
-full-batch gradients from torch autograd, a constant step. ONE spawn of
-ranks runs every case (see lsq_ranks.py); each test below checks a claim:
+full-batch gradients from torch autograd, a constant step. Every case runs in
+one world of 8 virtual ranks (bfexp's threads engine, in this process: it
+trains bit for bit as MPI does, tests/test_threads_equivalence.py), and
+MPI_KEYS, a case of every algorithm and exchange kind, also on ONE spawn of 4
+real MPI ranks for their first iterates (see lsq_ranks.py); each test below
+checks a claim:
 
 * exact diffusion and both gradient-tracking forms reach x* (numpy lstsq)
   to 1e-8 on every rank, on a ring and on symmetric exp2;
@@ -13,7 +17,8 @@ ranks runs every case (see lsq_ranks.py); each test below checks a claim:
   stay biased, and push-sum SGD's error shrinks with the step;
 * allreduce equals centralized gradient descent;
 * the first 20 iterates of every case (overlap on and off, local SGD,
-  momentum, Adam, dynamic graphs) equal the numpy re-implementation to 1e-12;
+  momentum, Adam, dynamic graphs) equal the numpy re-implementation to 1e-12,
+  on virtual ranks and, for MPI_KEYS, on MPI ranks;
 * invariants at every step: the mean moves by the mean gradient step,
   the mean tracker is the mean gradient, push-sum keeps the sums of x and w.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.algorithms import configs, lsq
+from tests.algorithms import configs, lsq, lsq_ranks
 from tests.conftest import REPO
 from tests.mpi_helpers import run_ranks
 
@@ -133,18 +138,14 @@ def build_cases() -> list[dict]:
 CASES = {c["key"]: c for c in build_cases()}
 
 
-def topology_of(spec: dict):
-    return configs.topology(spec, N)
+def topology_of(spec: dict, n: int = N):
+    return configs.topology(spec, n)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{case key: {"x": (iterates, ranks, dim), "y": ..., "numerator": ..., "weight": ...}}, one spawn for all."""
-    cases = [{k: v for k, v in c.items() if k != "ref"} for c in CASES.values()]
-    code = f"from tests.algorithms.lsq_ranks import run\nrun({cases!r}, emit)\n"
-    out = run_ranks(N, code, tmp_path_factory.mktemp("lsq"), timeout=600, env={"PYTHONPATH": str(REPO)})
+def traces(out: list, keys) -> dict:
+    """{case key: {"x": (iterates, ranks, dim), "y": ..., "numerator": ..., "weight": ...}} from each rank's emit."""
     result = {}
-    for key in CASES:
+    for key in keys:
         per_rank = [rank_out[key] for rank_out in out]
         fields = per_rank[0][0].keys()
         result[key] = {
@@ -153,15 +154,42 @@ def runs(tmp_path_factory):
     return result
 
 
-def reference(c: dict, iterations: int) -> lsq.Trace:
-    p = lsq.problem(0, N, zero=c.get("zero", False))
+@pytest.fixture(scope="module")
+def runs():
+    """Every case on one world of 8 virtual ranks (lsq_ranks.on_threads): traces() of each."""
+    cases = [{k: v for k, v in c.items() if k != "ref"} for c in CASES.values()]
+    return traces(lsq_ranks.on_threads(N, cases), CASES)
+
+
+# On MPI ranks too, 4 of them (the same problem and graphs on 4 ranks, so the spawn is small): a case of every
+# algorithm, with the exchanges they make (neighbor_allreduce with overlap on and off over static and dynamic
+# graphs, push-sum's push, allreduce, local steps, momentum and Adam), FIRST iterations each. (DIRECTED is a graph
+# of 8 ranks: push-sum and push-DIGing push over one-peer exp2's column weights here.)
+MPI_RANKS = 4
+MPI_KEYS = ["dsgd_atc_full/ring", "ed/sexp2", "diging/ring", "atc_gt/sexp2", "allreduce", "off/dsgd_awc",
+            "off/ed", "period2/push_sum", "period4/allreduce", "period3/atc_gt", "momentum/dsgd_atc", "adam/diging",
+            "dynamic/dsgd_awc", "dynamic/push_sum", "dynamic/push_diging"]
+
+
+@pytest.fixture(scope="module")
+def mpi_runs(tmp_path_factory):
+    """MPI_KEYS on one spawn of MPI_RANKS MPI ranks, FIRST iterations each: traces() of each."""
+    cases = [{**{k: v for k, v in CASES[key].items() if k != "ref"}, "iterations": FIRST, "keep": "all"}
+             for key in MPI_KEYS]
+    code = f"from tests.algorithms.lsq_ranks import run\nrun({cases!r}, emit)\n"
+    out = run_ranks(MPI_RANKS, code, tmp_path_factory.mktemp("lsq"), timeout=600, env={"PYTHONPATH": str(REPO)})
+    return traces(out, MPI_KEYS)
+
+
+def reference(c: dict, iterations: int, n: int = N) -> lsq.Trace:
+    p = lsq.problem(0, n, zero=c.get("zero", False))
     opt = lsq.local_optimizer(c.get("optimizer", "sgd"), c["lr"], c.get("momentum", 0.0))
     period = c.get("options", {}).get("communication_period", 1)
     if c["ref"] == "centralized":
         return lsq.centralized(p, p.x0[0], opt, iterations)
     if c["ref"] == "local_sgd":
         return lsq.local_sgd_average(p, p.x0[0], opt, period, iterations)
-    topo = topology_of(c["topology"])
+    topo = topology_of(c["topology"], n)
     schedule = lsq.Schedule(topo.mixing_matrix, period)
     rule = lsq.REFERENCES[c["ref"]]
     if c["ref"] == "dsgd":
@@ -217,11 +245,8 @@ def test_allreduce_equals_centralized_gradient_descent(runs):
     np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("key", list(CASES))
-def test_first_iterates_equal_the_papers_matrix_form(runs, key):
-    c = CASES[key]
-    ref = reference(c, FIRST)
-    got = runs[key]
+def assert_first_iterates(got: dict, c: dict, n: int = N) -> None:
+    ref = reference(c, FIRST, n)
     np.testing.assert_allclose(got["x"][: FIRST + 1], np.array(ref.x), atol=1e-12, rtol=0)
     if ref.y:
         # trackers: the ranks hold y_k after step k, the reference lists y_0 .. y_K
@@ -229,6 +254,16 @@ def test_first_iterates_equal_the_papers_matrix_form(runs, key):
     if ref.numerator:
         np.testing.assert_allclose(got["numerator"][: FIRST + 1], np.array(ref.numerator), atol=1e-12, rtol=0)
         np.testing.assert_allclose(got["weight"][: FIRST + 1], np.array(ref.weight), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_first_iterates_equal_the_papers_matrix_form(runs, key):
+    assert_first_iterates(runs[key], CASES[key])
+
+
+@pytest.mark.parametrize("key", MPI_KEYS)
+def test_first_iterates_on_mpi_ranks_equal_the_papers_matrix_form(mpi_runs, key):
+    assert_first_iterates(mpi_runs[key], CASES[key], MPI_RANKS)
 
 
 # ------------------------------------------------------------------ invariants, every step
