@@ -17,8 +17,9 @@ function replaced by one that records each composed job, so Hydra parses the lin
 a sweep and nothing trains (`--cfg job` cannot check a sweep: Hydra refuses `-m` with `--cfg`). The other
 commands' argument parsers read their lines (`bfexp-run`: its `parse`, range checks included; `bfexp-report`
 and `bfexp-topology`: their argparse, stopped before any work). `run`-marked `bfexp-topology` commands run
-there too (cheap); `run`-marked `bfexp` commands run through `python -m bfexp.cli` in a folder of their own,
-marked `large` (.ci/run runs them). The headline sweep runs for real in make test in tests/test_cli_args.py.
+there too (cheap); `run`-marked `bfexp` commands run through the CLI's entry, each in a folder of its own, one
+after another in one fresh interpreter (tests/cli_in_process.calls; their ranks are their engine's), marked
+`large` (.ci/run runs them). The headline sweep runs for real in make test in tests/test_cli_args.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_in_process import calls
 from tests.conftest import REPO
 
 PROGRAMS = ("bfexp", "bfexp-run", "bfexp-report", "bfexp-topology")
@@ -317,16 +319,31 @@ RUN = list({tuple(c.args): c for c in reversed([c for c in PARSED if c.mark == "
            .values())[::-1]
 
 
-@pytest.mark.large
-@pytest.mark.parametrize("command", RUN, ids=[c.id for c in RUN])
-def test_run_marked_command_runs(tmp_path, command):
-    """A runnable example as written (its mark's overrides appended, at a small size), by the CLI as a user
-    runs it, in a folder of its own."""
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory) -> dict[str, dict]:
+    """The runnable examples this session selected, each through the CLI's own entry (``bfexp.cli.command``,
+    as the `bfexp` script calls it) in a folder of its own, one after another in ONE fresh interpreter
+    (tests/cli_in_process.calls): one interpreter's start and torch import instead of one per example; a
+    job's ranks are still its engine's (MPI ranks are processes of their own). {id: exit code, stderr,
+    escaped traceback, ...}."""
+    selected = {item.callspec.params["command"].id for item in request.session.items
+                if item.originalname == "test_run_marked_command_runs" and hasattr(item, "callspec")}
+    folder = tmp_path_factory.mktemp("run")
+    cases = [{"id": c.id, "folder": str(folder / f"case{n}"), "args": [*c.args, *shlex.split(c.note)]}
+             for n, c in enumerate(RUN) if c.id in selected]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("BFEXP_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-m", "bfexp.cli", *command.args, *shlex.split(command.note)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return calls(cases, timeout=1800, env=env)
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("command", RUN, ids=[c.id for c in RUN])
+def test_run_marked_command_runs(ran, command):
+    """A runnable example as written (its mark's overrides appended, at a small size), by the CLI as a user
+    runs it, in a folder of its own."""
+    got = ran[command.id]
+    assert got["escaped"] is None, got["escaped"]
+    assert got["code"] in (0, None), f"exit {got['code']}: {got['stderr'][-3000:]}"
 
 
 @pytest.mark.large
