@@ -4,7 +4,7 @@ needed), and the same through the real CLI: a note for a substitution, one line 
 from __future__ import annotations
 
 import inspect
-import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,31 +168,51 @@ def test_a_built_optimizer_refuses_an_attribute_it_does_not_have_but_its_constru
 
 
 # ------------------------------------------------------------------ through the CLI
-def test_cli_runs_exact_diffusion_on_exp2_and_records_what_it_used(bfexp):
-    proc = bfexp("algorithm=exact_diffusion", "topology=exp2", "ranks=4", "steps=6", "log_every=3",
-                 "baseline_steps=0", "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr
-    assert "runs on symmetric_exp2 with weights=metropolis" in proc.stdout
-    summary = json.loads((bfexp.cwd / "run" / "summary.json").read_text())
+REFUSALS = [
+    (["algorithm=exact_diffusion", "topology=ring", "topology.directed=true"], "declared directed"),
+    (["algorithm=exact_diffusion", "topology=one_peer_exp2"], "needs a static topology"),
+    (["algorithm=ddp", "engine=threads"], "engine=threads"),
+    (["algorithm=ddp", "algorithm.communication_period=4"], "algorithm.communication_period=4"),
+    (["algorithm=ddp", "throughput_only=true"], "algorithm=ddp communicates inside backward"),
+    (["algorithm=dsgd", "algorithm.style=dta"], "algorithm.style='dta'; allowed: atc, awc, cta"),
+    (["algorithm=gradient_tracking", "algorithm.form=next"], "algorithm.form='next'; allowed: diging, atc"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> dict:
+    """This file's command lines through the real CLI, one after another in one interpreter
+    (tests/cli_in_process.py), each in its own folder: {case id: exit code, output, summaries, folder}."""
+    import os
+
+    from tests.cli_in_process import calls
+
+    root = tmp_path_factory.mktemp("requirements")
+    # The substitution is the algorithm's, whatever runs the ranks: virtual ranks (no process per rank).
+    cases = [{"id": "exact_diffusion", "whole_stdout": True,
+              "args": ["algorithm=exact_diffusion", "topology=exp2", "ranks=4", "steps=6", "log_every=3",
+                       "baseline_steps=0", "engine=threads", "hydra.run.dir=run"]}]
+    cases += [{"id": f"refusal{i}", "args": [*args, "ranks=4", "hydra.run.dir=run"]} for i, (args, _) in enumerate(REFUSALS)]
+    for case in cases:
+        case["folder"] = str(root / case["id"])
+    env = {k: v for k, v in os.environ.items() if k != "BFEXP_DEBUG"}
+    got = calls(cases, timeout=600, env=env)
+    return {case["id"]: {**got[case["id"]], "folder": Path(case["folder"])} for case in cases}
+
+
+def test_cli_runs_exact_diffusion_on_exp2_and_records_what_it_used(cli):
+    got = cli["exact_diffusion"]
+    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"]
+    assert "runs on symmetric_exp2 with weights=metropolis" in got["stdout"]
+    summary = got["summaries"]["run/summary.json"]
     assert summary["topology"] == "exp2"
     assert (summary["topology_used"], summary["topology_weights"]) == ("symmetric_exp2", "metropolis")
 
 
-@pytest.mark.parametrize(
-    "args, words",
-    [
-        (["algorithm=exact_diffusion", "topology=ring", "topology.directed=true"], "declared directed"),
-        (["algorithm=exact_diffusion", "topology=one_peer_exp2"], "needs a static topology"),
-        (["algorithm=ddp", "engine=threads"], "engine=threads"),
-        (["algorithm=ddp", "algorithm.communication_period=4"], "algorithm.communication_period=4"),
-        (["algorithm=ddp", "throughput_only=true"], "algorithm=ddp communicates inside backward"),
-        (["algorithm=dsgd", "algorithm.style=dta"], "algorithm.style='dta'; allowed: atc, awc, cta"),
-        (["algorithm=gradient_tracking", "algorithm.form=next"], "algorithm.form='next'; allowed: diging, atc"),
-    ],
-)
-def test_cli_refuses_with_one_line_before_any_rank_starts(bfexp, args, words):
-    proc = bfexp(*args, "ranks=4", "hydra.run.dir=run")
-    assert proc.returncode == 2, proc.stderr + proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], proc.stderr
-    assert not (bfexp.cwd / "run" / "logs").exists(), "no rank may start"
+@pytest.mark.parametrize("case", range(len(REFUSALS)), ids=[" ".join(a) for a, _ in REFUSALS])
+def test_cli_refuses_with_one_line_before_any_rank_starts(cli, case):
+    got, words = cli[f"refusal{case}"], REFUSALS[case][1]
+    assert got["code"] == 2 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"] + got["stdout"]
+    lines = got["stderr"].strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], got["stderr"]
+    assert not (got["folder"] / "run" / "logs").exists(), "no rank may start"
