@@ -7,7 +7,6 @@ compressor runs CHOCO-SGD on virtual ranks and its bad options exit 2 with one l
 (the MPI engine with one option more) carries a real job's MPI ranks.
 """
 
-import json
 import math
 import textwrap
 
@@ -105,64 +104,86 @@ SMALL = ["--config-dir", "myconf", "engine=threads", "ranks=4", "steps=6", "log_
          "dataset=digits", "baseline_steps=0", "report=false"]
 
 
-@pytest.fixture
-def user_project(bfexp):
-    (bfexp.cwd / "mycompress.py").write_text(textwrap.dedent(COMPRESSOR_MODULE))
-    (bfexp.cwd / "mycomm.py").write_text(textwrap.dedent(ENGINE_MODULE))
-    (bfexp.cwd / "myconf" / "algorithm" / "compressor").mkdir(parents=True)
-    (bfexp.cwd / "myconf" / "algorithm" / "compressor" / "strided.yaml").write_text(COMPRESSOR_YAML)
-    (bfexp.cwd / "myconf" / "engine").mkdir()
-    (bfexp.cwd / "myconf" / "engine" / "noting_mpi.yaml").write_text(ENGINE_YAML)
-    (bfexp.cwd / "myconf" / "engine" / "noting_threads.yaml").write_text(THREADS_ENGINE_YAML)
-    return bfexp
+BAD_OPTIONS = [
+    (["algorithm.compressor.stride=0"], ["algorithm.compressor.stride=0", "an integer >= 1"]),
+    (["algorithm.compressor.stride=wide"], ["algorithm.compressor.stride='wide'", "an integer"]),
+    (["+algorithm.compressor.strid=3"], ["unknown key 'algorithm.compressor.strid'", "allowed: stride"]),
+]
+ENGINES = [
+    ("noting_mpi", "mpi", 2, "NotingMPI"),  # the user's subclass of the MPI engine, on real MPI ranks
+    ("noting_threads", "threads", 3, "NotingThreads"),  # of the threads engine: every virtual rank runs on it
+]
+
+
+@pytest.fixture(scope="module")
+def user_project(tmp_path_factory) -> dict:
+    """The user's project folder (their modules and config dir) and every command line of this file run in it,
+    one after another in one interpreter (tests/cli_in_process.py), each into a run folder of its own:
+    {"cwd": the folder, case id: exit code, output}."""
+    import os
+
+    from tests.cli_in_process import calls
+
+    cwd = tmp_path_factory.mktemp("user_project")
+    (cwd / "mycompress.py").write_text(textwrap.dedent(COMPRESSOR_MODULE))
+    (cwd / "mycomm.py").write_text(textwrap.dedent(ENGINE_MODULE))
+    (cwd / "myconf" / "algorithm" / "compressor").mkdir(parents=True)
+    (cwd / "myconf" / "algorithm" / "compressor" / "strided.yaml").write_text(COMPRESSOR_YAML)
+    (cwd / "myconf" / "engine").mkdir()
+    (cwd / "myconf" / "engine" / "noting_mpi.yaml").write_text(ENGINE_YAML)
+    (cwd / "myconf" / "engine" / "noting_threads.yaml").write_text(THREADS_ENGINE_YAML)
+    choco = [*SMALL, "algorithm=choco_sgd"]
+    cases = [{"id": "strided", "args": [*choco, "+algorithm/compressor=strided", "algorithm.compressor.stride=5",
+                                        "hydra.run.dir=strided"]},
+             {"id": "by_name", "args": [*choco, "algorithm.compressor=strided", "hydra.run.dir=by_name"]}]
+    cases += [{"id": f"bad{i}", "args": [*choco, "+algorithm/compressor=strided", *args, f"hydra.run.dir=bad{i}"]}
+              for i, (args, _) in enumerate(BAD_OPTIONS)]
+    cases += [{"id": option, "args": ["--config-dir", "myconf", f"engine={option}", f"engine.note={cwd / option}",
+                                      f"ranks={ranks}", "steps=6", "log_every=3", "baseline_steps=0",
+                                      "scaling.reference_cache=null", f"hydra.run.dir={option}"]}
+              for option, _, ranks, _ in ENGINES]
+    for case in cases:
+        case["folder"] = str(cwd)
+    env = {k: v for k, v in os.environ.items() if k != "BFEXP_DEBUG"}
+    return {"cwd": cwd, **calls(cases, timeout=600, env=env)}
+
+
+def completed(got: dict, run: str) -> dict:
+    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"] + got["stdout"]
+    return got["summaries"][f"{run}/summary.json"]
 
 
 def test_user_compressor_runs_choco_sgd_and_sends_what_it_packs(user_project):
-    proc = user_project(*SMALL, "algorithm=choco_sgd", "+algorithm/compressor=strided", "algorithm.compressor.stride=5",
-                        "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
-    summary = json.loads((user_project.cwd / "run" / "summary.json").read_text())
+    summary = completed(user_project["strided"], "strided")
     assert summary["status"] == "completed" and summary["algorithm"] == "choco_sgd"
     # exp2 over 4 ranks: each rank sends its payload, every fifth float32 entry, to 2 peers
     assert summary["bytes_sent_per_step"] == 2 * math.ceil(D / 5) * 4
 
 
-@pytest.mark.parametrize("args, words", [
-    (["algorithm.compressor.stride=0"], ["algorithm.compressor.stride=0", "an integer >= 1"]),
-    (["algorithm.compressor.stride=wide"], ["algorithm.compressor.stride='wide'", "an integer"]),
-    (["+algorithm.compressor.strid=3"], ["unknown key 'algorithm.compressor.strid'", "allowed: stride"]),
-])
-def test_user_compressor_bad_options_exit_2(user_project, args, words):
-    proc = user_project(*SMALL, "algorithm=choco_sgd", "+algorithm/compressor=strided", *args, "hydra.run.dir=run")
-    assert proc.returncode == 2, proc.stderr + proc.stdout[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bfexp: error:"), proc.stderr
+@pytest.mark.parametrize("case", range(len(BAD_OPTIONS)), ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_user_compressor_bad_options_exit_2(user_project, case):
+    got, words = user_project[f"bad{case}"], BAD_OPTIONS[case][1]
+    assert got["code"] == 2 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"] + got["stdout"]
+    lines = got["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bfexp: error:"), got["stderr"]
     assert all(w in lines[0] for w in words), lines[0]
-    assert "Traceback" not in proc.stderr
-    assert not (user_project.cwd / "run").exists(), "bad input leaves no folder"
+    assert "Traceback" not in got["stderr"]
+    assert not (user_project["cwd"] / f"bad{case}").exists(), "bad input leaves no folder"
 
 
 def test_user_compressor_by_name_is_refused_naming_the_way_to_pick_it(user_project):
     """A bare name means a shipped option on every rank; the user's own comes in with its group."""
-    proc = user_project(*SMALL, "algorithm=choco_sgd", "algorithm.compressor=strided", "hydra.run.dir=run")
-    assert proc.returncode == 2, proc.stderr
-    [line] = proc.stderr.strip().splitlines()
+    got = user_project["by_name"]
+    assert got["code"] == 2 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"]
+    [line] = got["stderr"].strip().splitlines()
     assert "algorithm.compressor=strided; allowed: cast, identity" in line and "algorithm/compressor=NAME" in line
 
 
-@pytest.mark.parametrize("option, engine, ranks, cls", [
-    ("noting_mpi", "mpi", 2, "NotingMPI"),  # the user's subclass of the MPI engine, on real MPI ranks
-    ("noting_threads", "threads", 3, "NotingThreads"),  # of the threads engine: every virtual rank runs on it
-])
+@pytest.mark.parametrize("option, engine, ranks, cls", ENGINES)
 def test_user_engine_carries_the_ranks_of_a_job(user_project, option, engine, ranks, cls):
     """engine=<the user's option>: the user's engine class with an option of its own carries every rank."""
-    note = user_project.cwd / "noted"
-    proc = user_project("--config-dir", "myconf", f"engine={option}", f"engine.note={note}", f"ranks={ranks}",
-                        "steps=6", "log_every=3", "baseline_steps=0", "scaling.reference_cache=null",
-                        "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:]
-    summary = json.loads((user_project.cwd / "run" / "summary.json").read_text())
+    summary = completed(user_project[option], option)
     assert summary["status"] == "completed" and summary["engine"] == engine and summary["ranks"] == ranks
     for rank in range(ranks):
-        made, sent = (user_project.cwd / f"noted.rank{rank}").read_text().split()
+        made, sent = (user_project["cwd"] / f"{option}.rank{rank}").read_text().split()
         assert made == cls and int(sent) > 0
