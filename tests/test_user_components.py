@@ -175,8 +175,9 @@ def cli(tmp_path_factory) -> dict:
     cases += [{"id": "mine", "folder": "algorithm", "args": [*ALGORITHM, "algorithm=plain_atc", "hydra.run.dir=mine"]},
               {"id": "builtin", "folder": "algorithm",
                "args": [*ALGORITHM, "algorithm=dsgd", "algorithm.overlap=false", "hydra.run.dir=builtin"]}]
-    cases += [{"id": "launcher", "args": ["--config-dir", "myconf", "launcher=site", "launcher.queue=debug", "engine=mpi",
-                                          "ranks=2", "steps=10", "log_every=5", "baseline_steps=0", "hydra.run.dir=run"]}]
+    cases += [{"id": "launcher", "args": ["--config-dir", "myconf", "launcher=site", "launcher.queue=debug",
+                                          "engine=mpi", "ranks=2", "steps=10", "log_every=5", "baseline_steps=0",
+                                          "hydra.run.dir=run"]}]
     cases += [{"id": f"bad_launcher{i}", "args": ["--config-dir", "myconf", "launcher=site", *args, "engine=mpi",
                                                   "hydra.run.dir=run"]}
               for i, (args, _) in enumerate(BAD_LAUNCHER)]

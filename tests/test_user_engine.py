@@ -21,7 +21,6 @@ import torch
 import bfexp as bf
 from bfexp import api
 from bfexp.errors import ConfigError
-from tests.conftest import BFEXP
 
 USER = Path(__file__).parent / "user_engine"
 SCRIPT = USER / "allreduce_script.py"
@@ -45,31 +44,51 @@ def notes(folder: Path, ranks: int) -> list[list[str]]:
     return [(folder / f"counted.rank{r}").read_text().split() for r in range(ranks)]
 
 
-@pytest.mark.parametrize("engine, args, cls", [
+JOBS = [
     # the user's YAML in their own config dir: engine=<their option>
     ("counting_mpi", ["--config-dir", str(USER / "conf"), "engine=counting_mpi"], "CountingMPI"),
     # no YAML of theirs: a shipped option's node with their class as its _target_ (and its name)
     ("counting_threads", ["engine=threads", "engine._target_=counting.CountingThreads", "engine.name=counting_threads",
                           "ranks=3"], "CountingThreads"),
-])
-def test_user_engine_runs_a_bfexp_job(tmp_path, engine, args, cls):
-    proc = run([*BFEXP, *JOB, *args], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    """The bfexp command lines of this file, one after another in one interpreter with the user's environment
+    (tests/cli_in_process.py), each in its own folder: {id: exit code, output, summaries, "cwd": its folder}.
+    The user's MPI engine carries real MPI ranks."""
+    from tests.cli_in_process import calls
+
+    root = tmp_path_factory.mktemp("user_engine")
+    cases = [{"id": engine, "args": [*JOB, *args]} for engine, args, _ in JOBS]
+    cases.append({"id": "bad_option", "args": [*JOB, "--config-dir", str(USER / "conf"), "engine=counting_mpi",
+                                               "+engine.notes=x"]})
+    for case in cases:
+        case["folder"] = str(root / case["id"])
+    got = calls(cases, timeout=600, env=user_env())
+    return {case["id"]: {**got[case["id"]], "cwd": Path(case["folder"])} for case in cases}
+
+
+@pytest.mark.parametrize("engine, args, cls", JOBS)
+def test_user_engine_runs_a_bfexp_job(jobs, engine, args, cls):
+    got = jobs[engine]
+    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"][-3000:] + got["stdout"]
+    summary = got["summaries"]["run/summary.json"]
     ranks = 3 if "ranks=3" in args else 2
     assert (summary["status"], summary["engine"], summary["ranks"]) == ("completed", engine, ranks)
-    left = notes(tmp_path, ranks)  # every rank ran on the user's class
+    left = notes(got["cwd"], ranks)  # every rank ran on the user's class
     assert [(c, int(r)) for c, r, _ in left] == [(cls, r) for r in range(ranks)]
     assert len({calls for _, _, calls in left}) == 1  # collectives: every rank made the same calls
 
 
-def test_user_engine_options_are_checked_against_its_class(tmp_path):
+def test_user_engine_options_are_checked_against_its_class(jobs):
     """The user's constructor is the option's schema: a key it lacks is refused before any rank starts."""
-    proc = run([*BFEXP, *JOB, "--config-dir", str(USER / "conf"), "engine=counting_mpi", "+engine.notes=x"], tmp_path)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    [line] = proc.stderr.strip().splitlines()
+    got = jobs["bad_option"]
+    assert got["code"] == 2 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"][-3000:]
+    [line] = got["stderr"].strip().splitlines()
     assert "engine.notes" in line and "note" in line, line
-    assert not (tmp_path / "run" / "summary.json").exists()
+    assert not (got["cwd"] / "run" / "summary.json").exists()
 
 
 def script_lines(stdout: str) -> dict[int, dict]:

@@ -192,7 +192,8 @@ def cli(tmp_path_factory) -> dict:
     cases = [{"id": "exact_diffusion", "whole_stdout": True,
               "args": ["algorithm=exact_diffusion", "topology=exp2", "ranks=4", "steps=6", "log_every=3",
                        "baseline_steps=0", "engine=threads", "hydra.run.dir=run"]}]
-    cases += [{"id": f"refusal{i}", "args": [*args, "ranks=4", "hydra.run.dir=run"]} for i, (args, _) in enumerate(REFUSALS)]
+    cases += [{"id": f"refusal{i}", "args": [*args, "ranks=4", "hydra.run.dir=run"]}
+              for i, (args, _) in enumerate(REFUSALS)]
     for case in cases:
         case["folder"] = str(root / case["id"])
     env = {k: v for k, v in os.environ.items() if k != "BFEXP_DEBUG"}
