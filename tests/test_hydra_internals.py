@@ -84,6 +84,11 @@ def test_a_sweep_composes_each_point_once_and_each_caller_gets_a_fresh_copy(tmp_
         return composing(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
 
     monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", load_configuration)
+    import bfexp.cli as cli
+    import bfexp.launchers.slurm_sweep as slurm_sweep
+
+    for module, name in ((cli, "run_job"), (cli, "check_sweep"), (slurm_sweep, "launch")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # compose_only replaces them: back after the test
     jobs = compose_only()
     monkeypatch.setattr("bfexp.report.MultirunReport.on_multirun_end", lambda self, config, **kwargs: None)
     got = call(["-m", "ranks=2,3,4", "lr=0.05"])
