@@ -36,6 +36,14 @@ def call(args: list[str]) -> dict[str, Any]:
     return got
 
 
+def ran(got: dict[str, Any], what: str = "") -> dict[str, Any]:
+    """A case of ``call`` or ``calls`` that ran to its end: exit code 0 and nothing escaped; else the assertion
+    shows ``what``, the traceback and the ends of its stderr and stdout. Returns the case."""
+    assert got["code"] == 0 and got["escaped"] is None, (
+        f"{what} exit {got['code']}: {got['escaped'] or ''}{got['stderr'][-3000:]}{got.get('stdout', '')[-2000:]}")
+    return got
+
+
 def compose_only() -> list[dict[str, Any]]:
     """From here on, ``call`` composes every job without running it: the list returned gets each job's Hydra mode,
     choices, overrides, sweep folder and resolved config. A Slurm sweep's points are composed here, not submitted;

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.cli_in_process import calls
+from tests.cli_in_process import calls, ran
 from tests.conftest import BFEXP
 
 SUMMARY_FIELDS = {
@@ -52,7 +52,7 @@ def jobs(tmp_path_factory):
 def test_default_experiment(jobs):
     """No overrides: DSGD (atc) on exp2, 4 MPI ranks, synthetic non-iid logistic regression."""
     cwd, proc = jobs["default"]
-    assert proc["code"] == 0 and proc["escaped"] is None, proc["stderr"] + (proc["escaped"] or "")
+    ran(proc)
     run = cwd / "run"
     summary, records = load_run(run)
     assert SUMMARY_FIELDS <= set(summary)
@@ -67,7 +67,7 @@ def test_default_experiment(jobs):
 @pytest.mark.parametrize("algorithm", ["dsgd", "allreduce"])
 def test_training_reduces_loss(jobs, algorithm):
     cwd, proc = jobs[f"reduces-{algorithm}"]
-    assert proc["code"] == 0 and proc["escaped"] is None, proc["stderr"] + (proc["escaped"] or "")
+    ran(proc)
     summary, records = load_run(cwd / "run")
     first = records[0]["eval_loss"]
     assert summary["final_eval_loss"] < 0.9 * first

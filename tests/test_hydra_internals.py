@@ -19,7 +19,7 @@ from hydra.core.global_hydra import GlobalHydra
 from bfexp.cli import group_options
 from bfexp.config import register_configs
 from bfexp.hydra_internals import known_mode, mode_from_arguments, sweep_points_composed_once
-from tests.cli_in_process import call, compose_only
+from tests.cli_in_process import call, compose_only, ran
 
 ANSWERED = [[], ["lr=0.1", "steps=1,2"], ["hydra.mode=MULTIRUN"], ["hydra.mode=RUN", "seed=3"],
             ["hydra.mode=MULTIRUN", "hydra.mode=RUN"], ["hydra.mode=null"], ["hydra.run.dir=x"]]
@@ -92,7 +92,7 @@ def test_a_sweep_composes_each_point_once_and_each_caller_gets_a_fresh_copy(tmp_
     jobs = compose_only()
     monkeypatch.setattr("bfexp.report.MultirunReport.on_multirun_end", lambda self, config, **kwargs: None)
     got = call(["-m", "ranks=2,3,4", "lr=0.05"])
-    assert got["code"] == 0 and got["escaped"] is None, got
+    ran(got)
     points = [c for c in counted if any(o.startswith("ranks=") and "," not in o for o in c)]
     assert sorted(points) == [["hydra.mode=MULTIRUN", f"ranks={n}", "lr=0.05"] for n in (2, 3, 4)], counted
     assert [j["config"]["ranks"] for j in jobs] == [2, 3, 4]

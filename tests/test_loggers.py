@@ -12,7 +12,7 @@ from rich.console import Console
 from bfexp import progress
 from bfexp.cli import group_options
 from bfexp.progress import ConsoleProgress
-from tests.cli_in_process import call, calls
+from tests.cli_in_process import call, calls, ran
 
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -48,7 +48,7 @@ def jobs(tmp_path_factory):
 
 def finished(jobs, name):
     folder, got = jobs[name]
-    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"], got["stderr"][-3000:])
+    ran(got)
     return folder, got
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bfexp.comm.threads import run_threads
-from tests.cli_in_process import calls
+from tests.cli_in_process import calls, ran
 
 RANKS = 64
 STEPS = 6
@@ -114,7 +114,7 @@ def sweeps(tmp_path_factory):
 def sweep(sweeps, name: str) -> list[list[dict]]:
     """SWEEPS's sweep NAME: each job's records, in job order."""
     root, got = sweeps
-    assert got[name]["code"] == 0 and got[name]["escaped"] is None, (got[name]["escaped"], got[name]["stderr"][-3000:])
+    ran(got[name])
     folders = sorted((root / name / "sweep").iterdir(), key=lambda p: p.name)
     return [records(f) for f in folders if (f / "metrics.jsonl").is_file()]
 

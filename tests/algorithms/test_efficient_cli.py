@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bfexp.results import read_jsonl
-from tests.cli_in_process import calls
+from tests.cli_in_process import calls, ran
 
 D = 4810  # parameters of the MLP on digits (64 -> 64 -> 10), float32
 # A one-round single-rank reference: no figure here reads it.
@@ -57,11 +57,6 @@ def cli(tmp_path_factory) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "BFEXP_DEBUG"}
     got = calls(cases, timeout=900, env=env)
     return {case["id"]: {**got[case["id"]], "folder": Path(case["folder"])} for case in cases}
-
-
-def ran(job: dict) -> dict:
-    assert job["code"] == 0 and job["escaped"] is None, (job["escaped"] or "") + job["stderr"][-3000:] + job["stdout"]
-    return job
 
 
 def sweep(job: dict) -> dict[str, dict]:

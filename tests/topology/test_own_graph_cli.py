@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from bfexp.topology.cli import main as topology_tool
+from tests.cli_in_process import ran
 
 RANKS = 6
 # A one-round single-rank reference: no figure here reads it.
@@ -99,7 +100,7 @@ def cli(tmp_path_factory) -> dict:
 
 
 def swept(got: dict) -> tuple[list[dict], list[dict]]:
-    assert got["code"] == 0 and got["escaped"] is None, (got["escaped"] or "") + got["stderr"] + got["stdout"]
+    ran(got)
     return sweep_rows(got["cwd"])
 
 
